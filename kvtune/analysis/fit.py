@@ -1,0 +1,228 @@
+"""Robust fit of KV transfer time against bytes and descriptors: the fabric's floor and bandwidth.
+
+Model, per transfer ``i``::
+
+    ms_i = floor_ms + bytes_i * 8 / (bandwidth_gbps * 1e9) * 1e3 + descriptors_i * per_descriptor_us / 1e3
+
+fitted with Huber-weighted iteratively reweighted least squares (outliers, e.g. a transfer that hit a
+scheduler hiccup, get down-weighted instead of dragging the line), with percentile bootstrap
+confidence intervals resampled *within* each distinct (bytes, descriptors) point so every bootstrap
+sample keeps the sweep's design. The floor is the model's cost at zero bytes and zero descriptors.
+
+When descriptors are constant or proportional to bytes (vLLM's per-block layout), the descriptor
+cost cannot be told apart from the bandwidth: the fit then leaves it out and ``per_descriptor_us`` is
+``None`` (the bandwidth then includes the per-descriptor cost).
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvtune.errors import AnalysisError
+
+MIN_SIZES = 3
+"""Distinct transfer sizes needed: two points fix a line, the third shows whether it is one."""
+MIN_POINTS_PER_SIZE = 3
+"""Transfers needed at each size, so one outlier cannot decide a size's time."""
+HUBER_K = 1.345
+"""Huber tuning constant (95% efficiency under normal noise)."""
+IRLS_MAX_ITER = 50
+IRLS_TOL = 1e-9
+MAD_TO_SIGMA = 1.4826
+"""Scale of the median absolute deviation to a normal standard deviation."""
+COLLINEAR_R2 = 0.999
+"""Above this R^2 of descriptors on [1, bytes], the per-descriptor cost is not identifiable."""
+CI_LEVEL = 0.95
+OUTLIER_WEIGHT = 0.5
+"""A point whose final Huber weight is below this is counted as an outlier in ``n_outliers``."""
+
+_BYTES_SCALE = 1e9  # fit in GB and thousands of descriptors, for conditioning
+_DESC_SCALE = 1e3
+
+
+@dataclass(frozen=True)
+class FloorFit:
+    """The fabric's fixed cost and bandwidth, with 95% bootstrap intervals.
+
+    ``bandwidth_gbps`` is in gigabits per second (1e9 bit/s). ``per_descriptor_us`` is ``None`` when
+    descriptors do not vary independently of bytes. ``r2`` is the Huber-weighted coefficient of
+    determination. ``n_outliers`` counts transfers the robust fit down-weighted below 0.5.
+    """
+
+    floor_ms: float
+    bandwidth_gbps: float
+    per_descriptor_us: float | None
+    floor_ci_ms: tuple[float, float]
+    bandwidth_ci_gbps: tuple[float, float]
+    per_descriptor_ci_us: tuple[float, float] | None
+    r2: float
+    n_transfers: int
+    n_sizes: int
+    source: str = ""
+    n_outliers: int = 0
+    column: str = "critical_ms"
+
+    def predict_ms(self, bytes: float, descriptors: float = 0) -> float:  # noqa: A002 - unit name
+        """Predicted transfer time (ms) of ``bytes`` bytes in ``descriptors`` descriptors."""
+        ms = self.floor_ms + float(bytes) * 8.0 / (self.bandwidth_gbps * 1e9) * 1e3
+        if self.per_descriptor_us is not None:
+            ms += float(descriptors) * self.per_descriptor_us / 1e3
+        return ms
+
+    def as_dict(self) -> dict:
+        """Plain-JSON form (tuples become lists)."""
+        return {
+            "floor_ms": self.floor_ms, "bandwidth_gbps": self.bandwidth_gbps,
+            "per_descriptor_us": self.per_descriptor_us, "floor_ci_ms": list(self.floor_ci_ms),
+            "bandwidth_ci_gbps": list(self.bandwidth_ci_gbps),
+            "per_descriptor_ci_us": (list(self.per_descriptor_ci_us)
+                                     if self.per_descriptor_ci_us is not None else None),
+            "r2": self.r2, "n_transfers": self.n_transfers, "n_sizes": self.n_sizes,
+            "source": self.source, "n_outliers": self.n_outliers, "column": self.column,
+        }
+
+
+def _huber_irls(x: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Huber M-estimate of ``y ~ x @ beta``; returns (beta, final weights)."""
+    beta, *_ = np.linalg.lstsq(x, y, rcond=None)
+    w = np.ones_like(y)
+    for _ in range(IRLS_MAX_ITER):
+        r = y - x @ beta
+        scale = MAD_TO_SIGMA * float(np.median(np.abs(r - np.median(r))))
+        if scale <= 0.0 or not math.isfinite(scale):
+            scale = float(np.std(r)) or 1e-12
+        u = np.abs(r) / (HUBER_K * scale)
+        w = np.where(u <= 1.0, 1.0, 1.0 / np.maximum(u, 1e-300))
+        sw = np.sqrt(w)
+        new, *_ = np.linalg.lstsq(x * sw[:, None], y * sw, rcond=None)
+        if np.max(np.abs(new - beta)) <= IRLS_TOL * (1.0 + np.max(np.abs(beta))):
+            beta = new
+            break
+        beta = new
+    return beta, w
+
+
+def _design(b: np.ndarray, d: np.ndarray, with_desc: bool) -> np.ndarray:
+    cols = [np.ones_like(b), b / _BYTES_SCALE]
+    if with_desc:
+        cols.append(d / _DESC_SCALE)
+    return np.column_stack(cols)
+
+
+def _descriptors_identifiable(b: np.ndarray, d: np.ndarray) -> bool:
+    if np.ptp(d) == 0:
+        return False
+    x = _design(b, d, with_desc=False)
+    coef, *_ = np.linalg.lstsq(x, d / _DESC_SCALE, rcond=None)
+    resid = d / _DESC_SCALE - x @ coef
+    tot = float(np.sum((d / _DESC_SCALE - np.mean(d / _DESC_SCALE)) ** 2))
+    return tot > 0 and 1.0 - float(np.sum(resid ** 2)) / tot < COLLINEAR_R2
+
+
+def _check_design(b: np.ndarray) -> None:
+    """Raise unless >= MIN_SIZES sizes have >= MIN_POINTS_PER_SIZE transfers; say what to add."""
+    sizes, counts = np.unique(b, return_counts=True)
+    n_enough = int(np.sum(counts >= MIN_POINTS_PER_SIZE))
+    if n_enough >= MIN_SIZES:
+        return
+    need = MIN_SIZES - n_enough
+    # Cheapest way out: top up the sizes that are closest to enough points, then add new sizes.
+    short = sorted(((int(s), int(c)) for s, c in zip(sizes, counts) if c < MIN_POINTS_PER_SIZE),
+                   key=lambda sc: -sc[1])[:need]
+    todo = [f"{MIN_POINTS_PER_SIZE - c} more at {s} B" for s, c in short]
+    new_sizes = need - len(short)
+    if new_sizes > 0:
+        top = int(sizes.max()) if len(sizes) else 0
+        hint = (" (e.g. " + " and ".join(f"{top * 4 ** (k + 1)} B" for k in range(new_sizes)) + ")"
+                if top > 0 else "")
+        todo.append(f"{MIN_POINTS_PER_SIZE} each at {new_sizes} new distinct size(s){hint}")
+    have = ", ".join(f"{int(s)} B x{int(c)}" for s, c in zip(sizes, counts)) or "none"
+    raise AnalysisError(
+        f"cannot fit floor and bandwidth: {len(b)} transfer(s) at {len(sizes)} distinct size(s) "
+        f"[{have}]; need >= {MIN_POINTS_PER_SIZE} transfers at each of >= {MIN_SIZES} distinct "
+        f"sizes: add {'; '.join(todo)}")
+
+
+def _params(beta: np.ndarray, with_desc: bool) -> tuple[float, float, float | None]:
+    """(floor_ms, ms per byte, us per descriptor) from the scaled coefficients."""
+    floor = float(beta[0])
+    ms_per_byte = float(beta[1]) / _BYTES_SCALE
+    us_per_desc = float(beta[2]) / _DESC_SCALE * 1e3 if with_desc else None
+    return floor, ms_per_byte, us_per_desc
+
+
+def _gbps(ms_per_byte: float) -> float:
+    """Bandwidth in Gbit/s from a slope in ms per byte (inf for a non-positive slope)."""
+    return 8.0 / (ms_per_byte * 1e-3) / 1e9 if ms_per_byte > 0 else math.inf
+
+
+def _ci(values: np.ndarray) -> tuple[float, float]:
+    a = (1.0 - CI_LEVEL) / 2.0
+    lo, hi = np.quantile(values, [a, 1.0 - a])
+    return float(lo), float(hi)
+
+
+def fit_floor_points(bytes: Sequence[float] | np.ndarray,  # noqa: A002 - unit name
+                     descriptors: Sequence[float] | np.ndarray | None,
+                     ms: Sequence[float] | np.ndarray, *, n_boot: int = 200, seed: int = 0,
+                     source: str = "", column: str = "critical_ms") -> FloorFit:
+    """Fit ``ms ~ floor + bytes/bandwidth + descriptors*per_descriptor`` robustly (see module doc).
+
+    ``descriptors`` may be ``None`` (no descriptor term). Raises :class:`AnalysisError` when there
+    are fewer than ``MIN_SIZES`` distinct sizes with ``MIN_POINTS_PER_SIZE`` transfers each (saying
+    how many more of which sizes are needed), on non-finite or negative inputs, or when time does
+    not grow with bytes.
+    """
+    b = np.asarray(bytes, dtype=float)
+    y = np.asarray(ms, dtype=float)
+    d = np.zeros_like(b) if descriptors is None else np.asarray(descriptors, dtype=float)
+    if not (b.shape == y.shape == d.shape) or b.ndim != 1:
+        raise AnalysisError(f"fit_floor_points: bytes, descriptors and ms must be 1-D of one length, "
+                            f"got shapes {b.shape}, {d.shape}, {y.shape}")
+    for name, arr in (("bytes", b), ("descriptors", d), (column, y)):
+        bad = ~np.isfinite(arr) | (arr < 0)
+        if bad.any():
+            raise AnalysisError(f"fit_floor_points: {name}: expected finite values >= 0, "
+                                f"got {int(bad.sum())} bad of {len(arr)} (first: {arr[bad][0]!r})")
+    _check_design(b)
+    with_desc = descriptors is not None and _descriptors_identifiable(b, d)
+    x = _design(b, d, with_desc)
+    beta, w = _huber_irls(x, y)
+    floor, ms_per_byte, us_per_desc = _params(beta, with_desc)
+    if ms_per_byte <= 0:
+        raise AnalysisError(
+            f"fit_floor_points: {column} does not grow with bytes (slope {ms_per_byte:.3g} ms/B over "
+            f"{len(np.unique(b))} sizes from {int(b.min())} to {int(b.max())} B): the sizes are too "
+            f"close together for this noise; add transfers at sizes >= 16x {int(b.max())} B")
+    fitted = x @ beta
+    ybar = float(np.sum(w * y) / np.sum(w))
+    ss_tot = float(np.sum(w * (y - ybar) ** 2))
+    r2 = 1.0 - float(np.sum(w * (y - fitted) ** 2)) / ss_tot if ss_tot > 0 else 0.0
+
+    rng = np.random.default_rng(seed)
+    keys = np.column_stack([b, d])
+    _, group = np.unique(keys, axis=0, return_inverse=True)
+    group = group.ravel()
+    members = [np.flatnonzero(group == g) for g in range(int(group.max()) + 1)]
+    boots = np.empty((max(n_boot, 0), x.shape[1]))
+    for i in range(len(boots)):
+        idx = np.concatenate([m[rng.integers(0, len(m), len(m))] for m in members])
+        boots[i], _ = _huber_irls(x[idx], y[idx])
+    if len(boots):
+        floors = boots[:, 0]
+        slopes = boots[:, 1] / _BYTES_SCALE
+        floor_ci = _ci(floors)
+        s_lo, s_hi = _ci(slopes)
+        bw_ci = (_gbps(s_hi), _gbps(s_lo))
+        desc_ci = _ci(boots[:, 2] / _DESC_SCALE * 1e3) if with_desc else None
+    else:
+        floor_ci, bw_ci = (floor, floor), (_gbps(ms_per_byte),) * 2
+        desc_ci = (us_per_desc, us_per_desc) if with_desc else None
+    return FloorFit(
+        floor_ms=floor, bandwidth_gbps=_gbps(ms_per_byte), per_descriptor_us=us_per_desc,
+        floor_ci_ms=floor_ci, bandwidth_ci_gbps=bw_ci, per_descriptor_ci_us=desc_ci,
+        r2=r2, n_transfers=int(len(y)), n_sizes=int(len(np.unique(b))), source=source,
+        n_outliers=int(np.sum(w < OUTLIER_WEIGHT)), column=column)
