@@ -1,0 +1,58 @@
+"""Helpers that notebooks call: show a figure (and keep it for the report), publish a value.
+
+Notebooks hold parameters, calls and plots only; these helpers are the glue, nothing to test there.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+KVTUNE_MIME = "application/vnd.kvtune.value+json"
+"""Mime type of the display outputs that carry published values; `kvtune tune` lifts them into the
+executed notebook's metadata (``metadata.kvtune``)."""
+
+FIGURES_DIR_ENV = "KVTUNE_FIGURES_DIR"
+"""Where `show` saves each figure's JSON for the HTML report (set by `kvtune tune`)."""
+
+
+def show(fig: Any, name: str, *, notebook: str | None = None) -> Any:
+    """Display a plotly figure in the notebook and save it for the report (when run by `kvtune tune`)."""
+    out = os.environ.get(FIGURES_DIR_ENV)
+    if out:
+        prefix = notebook or os.environ.get("KVTUNE_NOTEBOOK", "figure")
+        path = Path(out) / f"{prefix}--{name}.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(fig.to_json())
+    try:
+        from IPython.display import display
+        display(fig)
+    except ImportError:  # outside IPython: nothing to display
+        pass
+    return fig
+
+
+def publish(name: str, value: Any) -> None:
+    """Record a value in the notebook's outputs (and so its metadata after `kvtune tune`)."""
+    payload = {name: _jsonable(value)}
+    try:
+        from IPython.display import display
+        display({KVTUNE_MIME: payload, "text/plain": f"{name} = {payload[name]!r}"}, raw=True)
+    except ImportError:
+        print(json.dumps(payload))
+
+
+def _jsonable(value: Any) -> Any:
+    return json.loads(json.dumps(value, default=lambda o: getattr(o, "__dict__", str(o))))
+
+
+def published_values(nb_json: dict) -> dict[str, Any]:
+    """Collect every value published with `publish` from an executed notebook (nbformat dict)."""
+    values: dict[str, Any] = {}
+    for cell in nb_json.get("cells", []):
+        for output in cell.get("outputs", []) or []:
+            data = output.get("data") or {}
+            if KVTUNE_MIME in data:
+                values.update(data[KVTUNE_MIME])
+    return values

@@ -1,0 +1,1 @@
+"""The tuning job: run the notebooks (papermill), write report, recommendation and configs."""

@@ -1,0 +1,63 @@
+"""`kvtune tune`: parse, coerce, call `run_tune`."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from kvtune.errors import ConfigError
+from kvtune.tune.notebooks import TUNE_NOTEBOOKS
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("tune", help="run the tuning notebooks and export recommended configs",
+                       description="Run kvtune's tuning notebooks (papermill) on a trace source — or, "
+                                   "without --traces, on spans kvtune makes on this machine — and "
+                                   "write executed notebooks, report.html, recommendation.json and "
+                                   "the config files.")
+    p.add_argument("--traces", default=None, help="OTLP-JSON file/dir/glob or tempo+http://HOST:PORT")
+    p.add_argument("--out", default="out/tune", help="output directory (default out/tune)")
+    p.add_argument("-p", "--parameters", nargs=2, action="append", default=[],
+                   metavar=("NAME", "VALUE"), help="notebook parameter (papermill style)")
+    p.add_argument("-f", "--parameters-file", default=None, help="YAML file of parameters")
+    p.add_argument("--notebooks", default=",".join(TUNE_NOTEBOOKS),
+                   help="comma-separated notebooks to run (default: all)")
+    p.set_defaults(func=run)
+
+
+def load_parameters(args: argparse.Namespace) -> dict[str, Any]:
+    import yaml
+
+    params: dict[str, Any] = {}
+    if args.parameters_file:
+        path = Path(args.parameters_file)
+        if not path.exists():
+            raise ConfigError(f"parameters file {path}: no such file")
+        loaded = yaml.safe_load(path.read_text()) or {}
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"parameters file {path}: expected a mapping of name: value")
+        params.update(loaded)
+    for name, value in args.parameters:
+        params[name] = yaml.safe_load(value) if value else value
+    return params
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvtune.tune.run import run_tune
+
+    result = run_tune(args.traces, args.out, parameters=load_parameters(args),
+                      notebooks=[n for n in args.notebooks.split(",") if n])
+    print(f"kvtune tune: done in {result.elapsed_s:.0f} s; trace source: {result.source} "
+          f"({result.source_kind})")
+    print(f"  report:          {result.report_html}")
+    print(f"  recommendation:  {result.recommendation_json}")
+    print(f"  notebooks:       {result.out_dir / 'notebooks'}")
+    if result.recommendation_json.exists():
+        rec = json.loads(result.recommendation_json.read_text())
+        for key in ("kv_recompute_threshold", "decoder_kv_blocks_ttl", "mode"):
+            item = rec.get("recommendations", rec).get(key, rec.get(key))
+            value = item.get("value") if isinstance(item, dict) else item
+            print(f"  {key:24s} {value}")
+    return 0

@@ -1,0 +1,80 @@
+"""`kvtune tune`: run the tuning notebooks on a trace source and collect what they produced."""
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kvtune.tune import params as P
+from kvtune.tune.notebooks import NOTEBOOKS_DIR, TUNE_NOTEBOOKS, run_notebook
+from kvtune.tune.report import write_report
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class TuneResult:
+    out_dir: Path
+    report_html: Path
+    recommendation_json: Path
+    notebooks: dict[str, Path]
+    source: str
+    source_kind: str
+    values: dict[str, Any]
+    elapsed_s: float
+
+
+def run_tune(traces: str | None = None, out_dir: str | Path = "out/tune", *,
+             parameters: dict[str, Any] | None = None,
+             notebooks: Sequence[str] = TUNE_NOTEBOOKS, notebooks_dir: Path = NOTEBOOKS_DIR,
+             default_source: dict[str, Any] | None = None, progress: bool = True) -> TuneResult:
+    """Run the tuning end to end.
+
+    Without ``traces`` kvtune makes its own spans on this machine first (see `kvtune.tune.sources`).
+    A bad parameter raises `ConfigError` before anything runs; a failing cell raises `NotebookFailed`
+    naming the notebook and cell, with the executed notebook left behind."""
+    from tqdm import tqdm
+
+    t0 = time.monotonic()
+    out = Path(out_dir).resolve()
+    merged = dict(parameters or {})
+    if traces:
+        merged["traces"] = traces
+    merged["out_dir"] = str(out)
+    checked = P.validate(merged)
+    source_kind = "user"
+    if not checked["traces"]:
+        from kvtune.tune.sources import make_default_spans
+        made = make_default_spans(out / "spans", seed=checked["seed"], **(default_source or {}))
+        checked["traces"] = str(made.spans_dir)
+        source_kind = made.kind
+        source_desc = made.description
+        if made.fabric and checked["fabric"] == "local":
+            checked["fabric"] = made.fabric
+    else:
+        source_desc = checked["traces"]
+    figures = out / "figures"
+    runs = {}
+    values: dict[str, Any] = {}
+    bar = tqdm(notebooks, desc="kvtune tune", unit="notebook", disable=not progress)
+    for name in bar:
+        bar.set_postfix_str(name)
+        run = run_notebook(name, out / "notebooks", checked, notebooks_dir=notebooks_dir,
+                           figures_dir=figures)
+        runs[name] = run.output
+        values.update(run.values)
+    report = write_report(out / "report.html", figures, title="kvtune tuning report",
+                          source=f"{source_desc} ({source_kind})", values=values,
+                          notebooks=list(notebooks))
+    rec = out / "recommendation.json"
+    if rec.exists():
+        data = json.loads(rec.read_text())
+        data.setdefault("trace_source_kind", source_kind)
+        data["trace_source_kind"] = source_kind
+        rec.write_text(json.dumps(data, indent=2))
+    return TuneResult(out, report, rec, runs, source_desc, source_kind, values,
+                      time.monotonic() - t0)
