@@ -242,6 +242,13 @@ ENUM_VALUES: Final[dict[str, type[Enum]]] = {
 # --- Trace context carriers ---------------------------------------------------------------------
 KV_PARAMS_TRACEPARENT: Final = "kvtune_traceparent"
 """Key inside vLLM's ``kv_transfer_params`` that carries the W3C ``traceparent`` of the request."""
+KV_PARAMS_RETAINED_TRACEPARENT: Final = "kvtune_retained_traceparent"
+"""Key inside the ``kv_transfer_params`` a decode returns (bidirectional mode) with the W3C
+``traceparent`` of the request whose KV it retains; the next turn's reverse transfer joins that trace."""
+KV_PARAMS_CONVERSATION_ID: Final = "kvtune_conversation_id"
+"""Key inside ``kv_transfer_params`` with the conversation id (set by the router; echoed back)."""
+KV_PARAMS_TURN: Final = "kvtune_turn"
+"""Key inside ``kv_transfer_params`` with the turn number within the conversation (from 1)."""
 CONVERSATION_HEADER: Final = "X-Kvtune-Conversation-Id"
 """HTTP header a client may use instead of the ``conversation_id`` body field."""
 
