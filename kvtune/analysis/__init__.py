@@ -2,6 +2,7 @@
 the workload's shape. Pure functions in, new DataFrames or frozen results out."""
 from __future__ import annotations
 
-from kvtune.analysis.fit import FloorFit, fit_floor_points
+from kvtune.analysis.fit import FloorFit, fit_floor, fit_floor_points
+from kvtune.analysis.transfers import TRANSFER_COLUMNS, empty_transfers, transfers
 
-__all__ = ["FloorFit", "fit_floor_points"]
+__all__ = ["FloorFit", "TRANSFER_COLUMNS", "empty_transfers", "fit_floor", "fit_floor_points", "transfers"]

@@ -18,8 +18,12 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    import pandas as pd
 
 from kvtune.errors import AnalysisError
 
@@ -36,6 +40,8 @@ MAD_TO_SIGMA = 1.4826
 COLLINEAR_R2 = 0.999
 """Above this R^2 of descriptors on [1, bytes], the per-descriptor cost is not identifiable."""
 CI_LEVEL = 0.95
+RELATIVE_FLOOR_SHARE = 0.1
+"""Relative residuals divide by the fitted time, clamped at 10% of the smallest observed time."""
 OUTLIER_WEIGHT = 0.5
 """A point whose final Huber weight is below this is counted as an outlier in ``n_outliers``."""
 
@@ -86,17 +92,21 @@ class FloorFit:
 
 
 def _huber_irls(x: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Huber M-estimate of ``y ~ x @ beta``; returns (beta, final weights)."""
+    """Huber M-estimate of ``y ~ x @ beta`` on *relative* residuals (timing noise grows with the
+    time: a 2% wobble on a 100 ms transfer is not an outlier, 25 ms on a 2 ms one is); returns
+    (beta, final Huber weights)."""
     beta, *_ = np.linalg.lstsq(x, y, rcond=None)
     w = np.ones_like(y)
+    floor_y = max(float(np.min(y[y > 0])) if np.any(y > 0) else 1.0, 1e-9) * RELATIVE_FLOOR_SHARE
     for _ in range(IRLS_MAX_ITER):
-        r = y - x @ beta
-        scale = MAD_TO_SIGMA * float(np.median(np.abs(r - np.median(r))))
+        fitted = np.maximum(x @ beta, floor_y)
+        rel = (y - fitted) / fitted
+        scale = MAD_TO_SIGMA * float(np.median(np.abs(rel - np.median(rel))))
         if scale <= 0.0 or not math.isfinite(scale):
-            scale = float(np.std(r)) or 1e-12
-        u = np.abs(r) / (HUBER_K * scale)
+            scale = float(np.std(rel)) or 1e-12
+        u = np.abs(rel) / (HUBER_K * scale)
         w = np.where(u <= 1.0, 1.0, 1.0 / np.maximum(u, 1e-300))
-        sw = np.sqrt(w)
+        sw = np.sqrt(w) / fitted
         new, *_ = np.linalg.lstsq(x * sw[:, None], y * sw, rcond=None)
         if np.max(np.abs(new - beta)) <= IRLS_TOL * (1.0 + np.max(np.abs(beta))):
             beta = new
@@ -198,7 +208,7 @@ def fit_floor_points(bytes: Sequence[float] | np.ndarray,  # noqa: A002 - unit n
             f"{len(np.unique(b))} sizes from {int(b.min())} to {int(b.max())} B): the sizes are too "
             f"close together for this noise; add transfers at sizes >= 16x {int(b.max())} B")
     fitted = x @ beta
-    ybar = float(np.sum(w * y) / np.sum(w))
+    ybar = float(np.sum(w * y) / np.sum(w))  # R^2 with the Huber weights, in absolute ms
     ss_tot = float(np.sum(w * (y - ybar) ** 2))
     r2 = 1.0 - float(np.sum(w * (y - fitted) ** 2)) / ss_tot if ss_tot > 0 else 0.0
 
@@ -226,3 +236,39 @@ def fit_floor_points(bytes: Sequence[float] | np.ndarray,  # noqa: A002 - unit n
         floor_ci_ms=floor_ci, bandwidth_ci_gbps=bw_ci, per_descriptor_ci_us=desc_ci,
         r2=r2, n_transfers=int(len(y)), n_sizes=int(len(np.unique(b))), source=source,
         n_outliers=int(np.sum(w < OUTLIER_WEIGHT)), column=column)
+
+
+def fit_floor(transfers: pd.DataFrame, *, column: str = "critical_ms", n_boot: int = 200,
+              seed: int = 0, fabric: str | None = None, source: str = "") -> FloorFit:
+    """Fit the floor and bandwidth from a transfers table (``kvtune.analysis.transfers``).
+
+    Uses rows with ``column`` and ``bytes`` present and a status other than ERROR. Descriptors
+    enter the model only when every used row has them. A table mixing fabrics needs ``fabric`` to
+    pick one (the floors of two fabrics are not one number).
+    """
+
+    for c in (column, "bytes", "descriptors", "status", "fabric"):
+        if c not in transfers.columns:
+            raise AnalysisError(f"fit_floor: transfers table has no column {c!r}; expected "
+                                f"kvtune.analysis.TRANSFER_COLUMNS")
+    t = transfers
+    fabrics = sorted(set(t["fabric"].dropna().astype(str)))
+    if fabric is not None:
+        t = t[t["fabric"] == fabric]
+        if t.empty:
+            raise AnalysisError(f"fit_floor: no transfers on fabric {fabric!r}; fabrics: {fabrics}")
+    elif len(fabrics) > 1:
+        raise AnalysisError(f"fit_floor: transfers on {len(fabrics)} fabrics {fabrics}; pass "
+                            f"fabric=... to fit one (each has its own floor)")
+    ok = t[column].notna() & t["bytes"].notna() & (t["status"].astype("object") != "ERROR")
+    t = t[ok.to_numpy(dtype=bool)]
+    if t.empty:
+        raise AnalysisError(f"fit_floor: no transfer has both {column!r} and bytes (of "
+                            f"{len(transfers)} transfer(s)); need >= {MIN_POINTS_PER_SIZE} "
+                            f"transfers at each of >= {MIN_SIZES} distinct sizes")
+    desc = None
+    if t["descriptors"].notna().all():
+        desc = t["descriptors"].to_numpy(dtype=float)
+    return fit_floor_points(t["bytes"].to_numpy(dtype=float), desc,
+                            t[column].to_numpy(dtype=float), n_boot=n_boot, seed=seed,
+                            source=source, column=column)
