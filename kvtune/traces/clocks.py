@@ -1,0 +1,221 @@
+"""Clock offsets between hosts, estimated from causal pairs of spans.
+
+Each host h has an offset ``o_h``: its clock reads ``true + o_h``; correcting subtracts ``o_h``.
+Causal pairs bound the difference ``d = o_B - o_A`` of two hosts:
+
+(a) a ``kv.notify`` span on the target host T is received after the same transfer's ``kv.rdma``
+    started on the initiator host I (``notify.end - o_T >= rdma.start - o_I``), and after the
+    sender's ``kv.notify.sent_ns`` when present (sender = the rdma span's host, else the host whose
+    ``kv.engine_id`` is the notify span's ``kv.remote_engine_id``): ``o_T - o_I <= notify.end - sent``;
+(b) a child span on host B of a parent on host A starts after the parent starts and ends before
+    it ends: ``c.end - p.end <= o_B - o_A <= c.start - p.start``.
+
+The least correction is chosen: the reference host (the router's, else the one with most spans)
+stays at 0, and each other host, in order of span count, takes the offset nearest 0 that keeps
+every constraint satisfiable (0 when the constraints hold uncorrected).
+"""
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+import pandas as pd
+
+from kvtune import spans
+
+_logger = logging.getLogger(__name__)
+
+Pair = tuple[str, str]
+
+
+@dataclass(frozen=True)
+class ClockOffsets:
+    """Estimated offsets (ns to subtract from each host's timestamps) and the bounds behind them.
+
+    ``bounds_ns[(a, b)] = (lo, hi)``: the causal pairs say ``lo <= o_b - o_a <= hi`` (None: no
+    bound on that side), for host pairs with ``a < b``. ``consistent`` is False when the bounds
+    contradict each other (then offsets are a best effort and a warning is logged).
+    """
+
+    offsets_ns: dict[str, int]
+    bounds_ns: dict[Pair, tuple[int | None, int | None]]
+    n_constraints: int
+    reference_host: str | None
+    consistent: bool = True
+    n_constraints_by_kind: dict[str, int] = field(default_factory=dict)
+
+
+def _host_of_router(df: pd.DataFrame) -> str | None:
+    router = df.loc[(df["service"] == spans.service_name(spans.Role.ROUTER))
+                    | (df["name"] == spans.SpanName.REQUEST.value), "host"]
+    router = router[router != ""]
+    if len(router):
+        return str(router.value_counts().index[0])
+    return None
+
+
+def _parent_child_bounds(df: pd.DataFrame) -> pd.DataFrame:
+    """Rows (a, b, lo, hi) bounding o_b - o_a from parent (host a) / child (host b) pairs."""
+    cols = ["trace_id", "span_id", "host", "start_ns", "end_ns"]
+    child = df.loc[df["parent_span_id"].notna() & (df["host"] != ""),
+                   ["trace_id", "parent_span_id", "host", "start_ns", "end_ns"]]
+    parent = df.loc[df["host"] != "", cols]
+    m = child.merge(parent, left_on=["trace_id", "parent_span_id"], right_on=["trace_id", "span_id"],
+                    suffixes=("_c", "_p"))
+    m = m[m["host_c"] != m["host_p"]]
+    return pd.DataFrame({
+        "a": m["host_p"].to_numpy(dtype=object), "b": m["host_c"].to_numpy(dtype=object),
+        "lo": (m["end_ns_c"] - m["end_ns_p"]).to_numpy(dtype=np.float64),
+        "hi": (m["start_ns_c"] - m["start_ns_p"]).to_numpy(dtype=np.float64),
+    })
+
+
+def _notify_bounds(df: pd.DataFrame) -> pd.DataFrame:
+    """Rows (a=initiator, b=target, lo=-inf, hi) from notify spans received after the send."""
+    tid = spans.TRANSFER_ID
+    empty = pd.DataFrame({"a": [], "b": [], "lo": [], "hi": []})
+    if tid not in df.columns:
+        return empty
+    notify = df.loc[(df["name"] == spans.SpanName.NOTIFY.value) & (df["host"] != "")]
+    if notify.empty:
+        return empty
+    rdma = df.loc[(df["name"] == spans.SpanName.RDMA.value) & df[tid].notna() & (df["host"] != ""),
+                  [tid, "host", "start_ns"]]
+    parts = []
+    with_tid = notify.loc[notify[tid].notna(), [tid, "host", "end_ns", spans.NOTIFY_SENT_NS]]
+    m = with_tid.merge(rdma, on=tid, suffixes=("_n", "_r"))
+    m = m[m["host_n"] != m["host_r"]]
+    if len(m):
+        parts.append(pd.DataFrame({"a": m["host_r"].to_numpy(dtype=object),
+                                   "b": m["host_n"].to_numpy(dtype=object),
+                                   "hi": (m["end_ns"] - m["start_ns"]).to_numpy(dtype=np.float64)}))
+    # kv.notify.sent_ns: the sender's clock; sender = rdma host, else engine id -> host
+    sent = notify.loc[notify[spans.NOTIFY_SENT_NS].notna()]
+    if len(sent):
+        sender = pd.Series(pd.NA, index=sent.index, dtype=object)
+        if len(rdma) and sent[tid].notna().any():
+            by_tid = rdma.drop_duplicates(tid).set_index(tid)["host"]
+            sender = sent[tid].map(by_tid).astype(object)
+        if sender.isna().any() and spans.ENGINE_ID in df.columns:
+            engines = df.loc[df[spans.ENGINE_ID].notna() & (df["host"] != ""), [spans.ENGINE_ID, "host"]]
+            by_engine = engines.drop_duplicates(spans.ENGINE_ID).set_index(spans.ENGINE_ID)["host"]
+            fallback = sent[spans.REMOTE_ENGINE_ID].map(by_engine).astype(object)
+            sender = sender.where(sender.notna(), fallback)
+        ok = sender.notna() & (sender != sent["host"])
+        if ok.any():
+            s = sent.loc[ok]
+            parts.append(pd.DataFrame({
+                "a": sender[ok].to_numpy(dtype=object), "b": s["host"].to_numpy(dtype=object),
+                "hi": (s["end_ns"].to_numpy(dtype=np.int64)
+                       - s[spans.NOTIFY_SENT_NS].to_numpy(dtype=np.int64)).astype(np.float64)}))
+    if not parts:
+        return empty
+    out = pd.concat(parts, ignore_index=True)
+    out["lo"] = -math.inf
+    return out[["a", "b", "lo", "hi"]]
+
+
+def _pair_bounds(rows: pd.DataFrame) -> dict[Pair, tuple[float, float]]:
+    """Tightest (lo, hi) on o_b - o_a per unordered pair (a < b)."""
+    if rows.empty:
+        return {}
+    a = rows["a"].astype(object).to_numpy()
+    b = rows["b"].astype(object).to_numpy()
+    flip = a > b
+    lo = np.where(flip, -rows["hi"].to_numpy(), rows["lo"].to_numpy())
+    hi = np.where(flip, -rows["lo"].to_numpy(), rows["hi"].to_numpy())
+    norm = pd.DataFrame({"a": np.where(flip, b, a), "b": np.where(flip, a, b), "lo": lo, "hi": hi})
+    agg = norm.groupby(["a", "b"], sort=True).agg(lo=("lo", "max"), hi=("hi", "min"))
+    return {(str(k[0]), str(k[1])): (float(r.lo), float(r.hi)) for k, r in agg.iterrows()}
+
+
+def _feasible_range(host: str, fixed: dict[str, float], bounds: dict[Pair, tuple[float, float]],
+                    hosts: list[str]) -> tuple[float, float] | None:
+    """[L, U] for o_host given fixed offsets, by shortest paths (Bellman-Ford) over the
+    difference constraints; None when the constraints are contradictory."""
+    # edges u -> v with weight w mean o_v - o_u <= w
+    edges: list[tuple[str, str, float]] = []
+    for (a, b), (lo, hi) in bounds.items():
+        if math.isfinite(hi):
+            edges.append((a, b, hi))
+        if math.isfinite(lo):
+            edges.append((b, a, -lo))
+    src = "\0origin"  # o_src = 0; fixed hosts are pinned by two edges
+    for h, val in fixed.items():
+        edges.append((src, h, val))
+        edges.append((h, src, -val))
+    nodes = [src, *hosts]
+
+    def shortest(from_node: str, reverse: bool) -> dict[str, float] | None:
+        dist = {n: math.inf for n in nodes}
+        dist[from_node] = 0.0
+        es = [(v, u, w) for u, v, w in edges] if reverse else edges
+        for _ in range(len(nodes)):
+            changed = False
+            for u, v, w in es:
+                if dist[u] + w < dist[v] - 1e-9:
+                    dist[v] = dist[u] + w
+                    changed = True
+            if not changed:
+                return dist
+        return None  # still relaxing: a negative cycle, i.e. contradictory constraints
+
+    up = shortest(src, reverse=False)  # o_h - o_src <= up[h]
+    down = shortest(src, reverse=True)  # o_src - o_h <= down[h]
+    if up is None or down is None:
+        return None
+    return -down[host], up[host]
+
+
+def estimate_offsets(df: pd.DataFrame) -> ClockOffsets:
+    """Per-host clock offsets (ns) from the causal pairs in a spans DataFrame (see module doc)."""
+    hosts_counts = df.loc[df["host"] != "", "host"].value_counts()
+    hosts = [str(h) for h in hosts_counts.index]
+    if len(hosts) <= 1:
+        return ClockOffsets({h: 0 for h in hosts}, {}, 0, hosts[0] if hosts else None)
+    pc = _parent_child_bounds(df)
+    nt = _notify_bounds(df)
+    rows = pd.concat([x for x in (pc, nt) if len(x)], ignore_index=True) if len(pc) or len(nt) else pc
+    bounds = _pair_bounds(rows)
+    n = int(len(pc) + len(nt))
+    reference = _host_of_router(df) or hosts[0]
+    order = [reference] + [h for h in hosts if h != reference]
+    fixed: dict[str, float] = {reference: 0.0}
+    consistent = True
+    for h in order[1:]:
+        rng = _feasible_range(h, fixed, bounds, hosts)
+        if rng is None:
+            consistent = False
+            break
+        lo, hi = rng
+        fixed[h] = min(max(0.0, lo), hi)
+    if not consistent:
+        # contradictory bounds (jitter, or a span outliving its parent): per pair with the
+        # reference only, the midpoint of a crossed interval, else the least correction
+        _logger.warning("clock offsets: causal constraints contradict each other; using per-pair "
+                        "estimates against the reference host %s", reference)
+        fixed = {reference: 0.0}
+        for h in order[1:]:
+            a, b = sorted((reference, h))
+            lo, hi = bounds.get((a, b), (-math.inf, math.inf))
+            if h == a:  # bounds are on o_b - o_a = o_ref - o_h
+                lo, hi = -hi, -lo
+            fixed[h] = (lo + hi) / 2 if lo > hi else min(max(0.0, lo), hi)
+    offsets = {h: int(round(fixed.get(h, 0.0))) for h in hosts}
+    report = {k: (None if not math.isfinite(lo) else int(lo), None if not math.isfinite(hi) else int(hi))
+              for k, (lo, hi) in bounds.items()}
+    return ClockOffsets(offsets, report, n, reference, consistent,
+                        {"parent_child": int(len(pc)), "notify": int(len(nt))})
+
+
+def apply_offsets(df: pd.DataFrame, offsets_ns: dict[str, int]) -> pd.DataFrame:
+    """A copy of ``df`` with each host's offset subtracted from ``start_ns`` and ``end_ns``."""
+    if not any(offsets_ns.values()):
+        return df
+    shift = df["host"].map(offsets_ns).fillna(0).astype(np.int64).to_numpy()
+    out = df.copy(deep=False)
+    out["start_ns"] = df["start_ns"].to_numpy() - shift
+    out["end_ns"] = df["end_ns"].to_numpy() - shift
+    return out

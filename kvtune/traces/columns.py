@@ -1,0 +1,341 @@
+"""The spans DataFrame's column contract and the columnar accumulator that builds it.
+
+Decoded documents are appended span by span into plain lists (one per column, plus (row, value)
+lists per convention attribute); the frame is built once at the end with numpy, so loading costs
+one pass in Python per span and attribute, not per column.
+"""
+from __future__ import annotations
+
+import base64
+import binascii
+import bisect
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from kvtune import spans
+from kvtune.errors import TraceFormatError
+from kvtune.traces import otlp_json
+
+SPAN_COLUMNS: tuple[str, ...] = (
+    "trace_id", "span_id", "parent_span_id", "name", "service", "host", "start_ns", "end_ns",
+    "duration_ms", "status", "status_message", "attrs", "resource",
+)
+"""The spans DataFrame's fixed columns, in order; one typed column per convention attribute follows."""
+
+STR_DTYPE = "str"
+"""pandas' default string dtype (missing = NaN) for ids, names, hosts, status."""
+NULLABLE_DTYPES: dict[type, str] = {int: "Int64", float: "Float64", str: "string", bool: "boolean"}
+"""pandas nullable dtype of each convention attribute type (missing = pd.NA)."""
+
+SPAN_DTYPES: dict[str, str] = {
+    "trace_id": STR_DTYPE, "span_id": STR_DTYPE, "parent_span_id": "string", "name": STR_DTYPE,
+    "service": STR_DTYPE, "host": STR_DTYPE, "start_ns": "int64", "end_ns": "int64",
+    "duration_ms": "float64", "status": STR_DTYPE, "status_message": STR_DTYPE,
+    "attrs": "object", "resource": "object",
+}
+"""dtype of each fixed column (``parent_span_id`` is nullable ``string``: pd.NA for roots)."""
+
+NS_PER_MS = 1e6
+TRACE_ID_BYTES = 16
+SPAN_ID_BYTES = 8
+_HEX = b"0123456789abcdef"
+
+
+def attribute_columns() -> tuple[str, ...]:
+    """The typed attribute columns, in ``spans.ATTRIBUTE_TYPES`` order."""
+    return tuple(spans.ATTRIBUTE_TYPES)
+
+
+def all_columns() -> tuple[str, ...]:
+    """Every column of the spans DataFrame, in order."""
+    return SPAN_COLUMNS + attribute_columns()
+
+
+def attribute_dtype(name: str) -> str:
+    return NULLABLE_DTYPES[spans.ATTRIBUTE_TYPES[name]]
+
+
+@dataclass(frozen=True)
+class Skipped:
+    """A record left out by ``skip_bad``: where it was and why."""
+
+    source: str
+    line: int | None
+    reason: str
+
+    def as_tuple(self) -> tuple[str, int | None, str]:
+        return (self.source, self.line, self.reason)
+
+
+class SpanRows:
+    """Columnar accumulator of decoded spans; ``frame()`` builds the DataFrame."""
+
+    def __init__(self) -> None:
+        self.trace_id: list[str] = []
+        self.span_id: list[str] = []
+        self.parent: list[str | None] = []
+        self.name: list[str] = []
+        self.service: list[str] = []
+        self.host: list[str] = []
+        self.start: list[int] = []
+        self.end: list[int] = []
+        self.status: list[Any] = []
+        self.message: list[str] = []
+        self.attrs: list[dict[str, Any]] = []
+        self.resource: list[dict[str, Any]] = []
+        self.conv: dict[str, tuple[list[int], list[Any]]] = {k: ([], []) for k in spans.ATTRIBUTE_TYPES}
+        self.sources: list[str] = []
+        self._block_rows: list[int] = []  # first row of each decoded document
+        self._block_where: list[tuple[int, int | None]] = []  # (source index, line)
+        self.skipped: list[Skipped] = []
+
+    def __len__(self) -> int:
+        return len(self.trace_id)
+
+    # --- where rows came from ----------------------------------------------------------------
+    def source_index(self, source: str) -> int:
+        self.sources.append(source)
+        return len(self.sources) - 1
+
+    def where(self, row: int) -> tuple[str, int | None]:
+        i = bisect.bisect_right(self._block_rows, row) - 1
+        src, line = self._block_where[i]
+        return self.sources[src], line
+
+    # --- appending ---------------------------------------------------------------------------
+    def add_document(self, doc: otlp_json.TraceDocument, source_index: int, line: int | None) -> None:
+        """Appends every span of one decoded document."""
+        resource_spans = doc.resource_spans_list()
+        if resource_spans is None:
+            raise TraceFormatError(self.sources[source_index], "resourceSpans",
+                                   otlp_json.DOCUMENT_EXPECTED, line=line)
+        self._block_rows.append(len(self.trace_id))
+        self._block_where.append((source_index, line))
+        intern = sys.intern
+        any_value = otlp_json.any_value
+        conv = self.conv
+        row = len(self.trace_id)
+        attrs_append = self.attrs.append
+        for rs in resource_spans:
+            res = rs.resource
+            rattrs = ({intern(kv.key): any_value(kv.value) for kv in res.attributes}
+                      if res is not None else {})
+            service = rattrs.get(spans.SERVICE_NAME)
+            service = "" if service is None else str(service)
+            host = rattrs.get(spans.HOST_NAME)
+            host = "" if host is None else str(host)
+            for ss in rs.scope_spans or rs.instrumentation_library_spans:
+                sl = ss.spans
+                k = len(sl)
+                if not k:
+                    continue
+                self.trace_id.extend([s.trace_id for s in sl])
+                self.span_id.extend([s.span_id for s in sl])
+                self.parent.extend([s.parent_span_id for s in sl])
+                self.name.extend([intern(s.name) for s in sl])
+                self.start.extend([s.start_time_unix_nano for s in sl])
+                self.end.extend([s.end_time_unix_nano for s in sl])
+                self.status.extend([s.status for s in sl])
+                self.service.extend([service] * k)
+                self.host.extend([host] * k)
+                self.resource.extend([rattrs] * k)
+                for s in sl:
+                    d: dict[str, Any] = {}
+                    for kv in s.attributes:
+                        key = intern(kv.key)
+                        v = kv.value
+                        if v is None:
+                            val = None
+                        else:
+                            val = v.string_value
+                            if val is None:
+                                val = v.int_value
+                                if val is None:
+                                    val = v.double_value
+                                    if val is None:
+                                        val = v.bool_value
+                                        if val is None:
+                                            val = any_value(v)
+                        d[key] = val
+                        c = conv.get(key)
+                        if c is not None and val is not None:
+                            c[0].append(row)
+                            c[1].append(val)
+                    attrs_append(d)
+                    row += 1
+
+    # --- building the frame ------------------------------------------------------------------
+    def frame(self, *, skip_bad: bool = False) -> pd.DataFrame:
+        """The spans DataFrame (columns per :data:`SPAN_COLUMNS` + attribute columns)."""
+        n = len(self.trace_id)
+        bad: dict[int, str] = {}
+
+        def fail(row: int, field: str, expected: str, got: Any) -> None:
+            if not skip_bad:
+                src, line = self.where(row)
+                raise TraceFormatError(src, field, expected, line=line, got=got)
+            bad.setdefault(row, f"field {field!r}: expected {expected}, got {got!r}"[:300])
+
+        trace_id = _normalize_ids(self.trace_id, TRACE_ID_BYTES, "traceId", fail, allow_empty=False)
+        span_id = _normalize_ids(self.span_id, SPAN_ID_BYTES, "spanId", fail, allow_empty=False)
+        parent = _normalize_ids(self.parent, SPAN_ID_BYTES, "parentSpanId", fail, allow_empty=True)
+        start = np.array(self.start, dtype=np.int64) if n else np.zeros(0, np.int64)
+        end = np.array(self.end, dtype=np.int64) if n else np.zeros(0, np.int64)
+        codes = np.zeros(n, dtype=np.int8)
+        messages: list[str] = [""] * n
+        for i, st in enumerate(self.status):
+            if st is None:
+                continue
+            if st.code != 0:
+                c = otlp_json.status_code(st.code)
+                if c is None:
+                    fail(i, "status.code", "0, 1, 2 or STATUS_CODE_UNSET|OK|ERROR", st.code)
+                    c = 0
+                codes[i] = c
+            if st.message:
+                messages[i] = st.message
+        typed: dict[str, Any] = {}
+        for key, (rows, values) in self.conv.items():
+            typed[key] = _typed_column(key, rows, values, n, fail)
+
+        data: dict[str, Any] = {
+            "trace_id": pd.array(trace_id, dtype=STR_DTYPE),
+            "span_id": pd.array(span_id, dtype=STR_DTYPE),
+            "parent_span_id": pd.array(parent, dtype="string"),
+            "name": pd.array(self.name, dtype=STR_DTYPE),
+            "service": pd.array(self.service, dtype=STR_DTYPE),
+            "host": pd.array(self.host, dtype=STR_DTYPE),
+            "start_ns": start,
+            "end_ns": end,
+            "duration_ms": (end - start) / NS_PER_MS,
+            "status": pd.array(np.array(otlp_json.STATUS_NAMES, dtype=object)[codes], dtype=STR_DTYPE),
+            "status_message": pd.array(messages, dtype=STR_DTYPE),
+            "attrs": _object_array(self.attrs),
+            "resource": _object_array(self.resource),
+        }
+        data.update(typed)
+        df = pd.DataFrame(data, copy=False)
+        if bad:
+            for row, reason in sorted(bad.items()):
+                src, line = self.where(row)
+                self.skipped.append(Skipped(src, line, reason))
+            keep = np.ones(n, dtype=bool)
+            keep[list(bad)] = False
+            df = df.loc[keep].reset_index(drop=True)
+        return df
+
+
+def empty_frame() -> pd.DataFrame:
+    """A spans DataFrame with no rows and the contract's columns and dtypes."""
+    return SpanRows().frame()
+
+
+def _object_array(items: list[Any]) -> np.ndarray:
+    arr = np.empty(len(items), dtype=object)
+    arr[:] = items
+    return arr
+
+
+def _normalize_ids(ids: list[Any], nbytes: int, field: str,
+                   fail: Callable[[int, str, str, Any], None], *, allow_empty: bool) -> list[Any]:
+    """Ids as lowercase hex of ``nbytes`` bytes; base64 ids (Tempo) converted; empty -> None.
+
+    Fast path: one C-level pass checks that every id is already lowercase hex of the right length.
+    """
+    width = 2 * nbytes
+    if ids and not allow_empty:
+        try:
+            joined = "".join(ids)
+        except TypeError:  # a None or non-string id: take the slow path, which names it
+            joined = None
+        if (joined is not None and len(joined) == width * len(ids)
+                and not joined.encode("ascii", "replace").translate(None, _HEX)
+                and all(len(x) == width for x in ids)):
+            return ids
+    out: list[Any] = list(ids)
+    zero = "0" * width
+    for i, x in enumerate(out):
+        if x is None or x == "":
+            if not allow_empty:
+                fail(i, field, f"{width} hex digits", x)
+            out[i] = None
+            continue
+        if len(x) == width:
+            low = x.lower()
+            if not low.encode("ascii", "replace").translate(None, _HEX):
+                out[i] = None if (allow_empty and low == zero) else low
+                continue
+        try:
+            raw = base64.b64decode(x + "=" * (-len(x) % 4), validate=True)
+        except (binascii.Error, ValueError):
+            raw = b""
+        if len(raw) == nbytes:
+            out[i] = raw.hex()
+            if allow_empty and out[i] == zero:
+                out[i] = None
+        else:
+            fail(i, field, f"{width} hex digits (or base64 of {nbytes} bytes)", x)
+            out[i] = None
+    return out
+
+
+def _typed_column(key: str, rows: list[int], values: list[Any], n: int,
+                  fail: Callable[[int, str, str, Any], None]) -> Any:
+    """One convention attribute as a pandas nullable array of its declared type."""
+    typ = spans.ATTRIBUTE_TYPES[key]
+    dtype = NULLABLE_DTYPES[typ]
+    if not rows:
+        return pd.array([None] * n, dtype=dtype) if n else pd.array([], dtype=dtype)
+    types = set(map(type, values))
+    allowed = {int: {int}, float: {float, int}, str: {str}, bool: {bool}}[typ]
+    if not types <= allowed:
+        if typ is int and types <= {int, float}:
+            ok = all(type(v) is int or v.is_integer() for v in values)
+            if ok:
+                values = [int(v) for v in values]
+        else:
+            ok = False
+        if not ok:
+            good_rows, good_values = [], []
+            for r, v in zip(rows, values):
+                if type(v) in allowed or (typ is int and type(v) is float and v.is_integer()):
+                    good_rows.append(r)
+                    good_values.append(int(v) if typ is int else v)
+                else:
+                    fail(r, f"attributes[{key}]", f"{typ.__name__} ({dtype})", v)
+            rows, values = good_rows, good_values
+    idx = np.asarray(rows, dtype=np.int64)
+    if typ is str:
+        arr = np.full(n, None, dtype=object)
+        arr[idx] = values
+        return pd.array(arr, dtype=dtype)
+    np_type = {int: np.int64, float: np.float64, bool: np.bool_}[typ]
+    vals = np.zeros(n, dtype=np_type)
+    mask = np.ones(n, dtype=bool)
+    if typ is int:
+        try:
+            vals[idx] = np.asarray(values, dtype=np.int64)
+        except OverflowError:
+            out_of_range = []
+            for r, v in zip(rows, values):
+                if -(2**63) <= v < 2**63:
+                    vals[r] = v
+                else:
+                    fail(r, f"attributes[{key}]", "an int64", v)
+                    out_of_range.append(r)
+            mask[idx] = False
+            mask[out_of_range] = True
+            return pd.arrays.IntegerArray(vals, mask)
+    else:
+        vals[idx] = np.asarray(values, dtype=np_type)
+    mask[idx] = False
+    if typ is int:
+        return pd.arrays.IntegerArray(vals, mask)
+    if typ is float:
+        return pd.arrays.FloatingArray(vals, mask)
+    return pd.arrays.BooleanArray(vals, mask)

@@ -1,0 +1,262 @@
+"""``load(source)``: spans from OTLP-JSON lines files, Collector file-exporter output or Tempo."""
+from __future__ import annotations
+
+import glob
+import gzip
+import logging
+import os
+from collections.abc import Iterable, Iterator, Sequence
+from pathlib import Path
+from typing import IO, Union
+
+import msgspec
+import pandas as pd
+from tqdm import tqdm
+
+from kvtune.errors import TraceFormatError, TraceSourceError
+from kvtune.traces import otlp_json
+from kvtune.traces.columns import Skipped, SpanRows
+from kvtune.traces.tempo import SCHEMES, TempoSource
+
+_logger = logging.getLogger(__name__)
+
+Source = Union[str, os.PathLike, TempoSource]
+SourceArg = Union[Source, Sequence[Source]]
+
+FILE_PATTERNS = ("*.jsonl", "*.jsonl.gz", "*.json", "*.json.gz")
+"""Files a directory source contributes (searched recursively)."""
+_GLOB_CHARS = set("*?[")
+_GZIP_MAGIC = b"\x1f\x8b"
+
+
+def resolve(source: SourceArg) -> list[Path | TempoSource]:
+    """The files and Tempo sources ``source`` names, in order (globs sorted, directories recursed)."""
+    items: Iterable[Source]
+    if isinstance(source, (str, os.PathLike, TempoSource)):
+        items = [source]
+    else:
+        items = source
+    out: list[Path | TempoSource] = []
+    for item in items:
+        if isinstance(item, TempoSource):
+            out.append(item)
+            continue
+        text = os.fspath(item)
+        if isinstance(item, str) and item.split("://", 1)[0] in SCHEMES and "://" in item:
+            out.append(TempoSource.from_url(item))
+            continue
+        if isinstance(item, str) and "://" in item:
+            raise TraceSourceError(f"{item}: unknown source scheme; expected a path, a glob or "
+                                   f"{' / '.join(s + '://HOST:PORT' for s in SCHEMES)}")
+        path = Path(text).expanduser()
+        if path.is_dir():
+            found = sorted({p for pat in FILE_PATTERNS for p in path.rglob(pat) if p.is_file()})
+            if not found:
+                raise TraceSourceError(f"{path}: directory holds no {', '.join(FILE_PATTERNS)} files")
+            out.extend(found)
+        elif path.is_file():
+            out.append(path)
+        elif _GLOB_CHARS & set(text):
+            found = sorted(Path(p) for p in glob.glob(os.path.expanduser(text), recursive=True)
+                           if os.path.isfile(p))
+            if not found:
+                raise TraceSourceError(f"{text}: glob matches no files")
+            out.extend(found)
+        else:
+            raise TraceSourceError(f"{text}: no such file or directory")
+    return out
+
+
+class _Reader:
+    """Decodes documents into a :class:`SpanRows`, raising or recording bad records."""
+
+    def __init__(self, rows: SpanRows, skip_bad: bool) -> None:
+        self.rows, self.skip_bad = rows, skip_bad
+
+    def document(self, data: bytes, source: str, src_idx: int, line: int | None) -> None:
+        try:
+            doc = otlp_json.DECODER.decode(data)
+        except msgspec.MsgspecError as exc:
+            field, expected, got = otlp_json.describe_error(exc)
+            if not self.skip_bad:
+                raise TraceFormatError(source, field, expected, line=line, got=got or None) from None
+            doc = self._salvage(data, source, line, f"field {field!r}: expected {expected}, got {got}")
+            if doc is None:
+                return
+        try:
+            self.rows.add_document(doc, src_idx, line)
+        except TraceFormatError as exc:
+            if not self.skip_bad:
+                raise
+            self.rows.skipped.append(Skipped(source, line, str(exc)))
+
+    def _salvage(self, data: bytes, source: str, line: int | None,
+                 reason: str) -> otlp_json.TraceDocument | None:
+        """Keeps the good spans of a document with bad ones; records what was dropped."""
+        try:
+            raw = msgspec.json.decode(data)
+        except msgspec.DecodeError:
+            self.rows.skipped.append(Skipped(source, line, reason))
+            return None
+        dropped = 0
+        first_reason = reason
+        if isinstance(raw, dict):
+            for rs in _resource_spans(raw):
+                for ss in _scope_spans(rs):
+                    spans_list = ss.get("spans") if isinstance(ss, dict) else None
+                    if not isinstance(spans_list, list):
+                        continue
+                    good = []
+                    for i, sp in enumerate(spans_list):
+                        try:
+                            msgspec.convert(sp, otlp_json.Span, strict=False)
+                            good.append(sp)
+                        except msgspec.ValidationError as exc:
+                            if not dropped:
+                                field, expected, got = otlp_json.describe_error(exc)
+                                first_reason = (f"span {i}: field {field!r}: expected {expected}, "
+                                                f"got {got}")
+                            dropped += 1
+                    ss["spans"] = good
+        try:
+            doc = msgspec.convert(raw, otlp_json.TraceDocument, strict=False)
+        except msgspec.ValidationError:
+            self.rows.skipped.append(Skipped(source, line, reason))
+            return None
+        if dropped:
+            self.rows.skipped.append(Skipped(source, line, f"{dropped} span(s) dropped; {first_reason}"))
+        return doc
+
+    def file(self, path: Path, bar: tqdm) -> None:
+        source = str(path)
+        src_idx = self.rows.source_index(source)
+        name = path.name.lower()
+        whole_doc = name.endswith((".json", ".json.gz"))
+        try:
+            raw = open(path, "rb")  # noqa: SIM115 - closed below
+        except OSError as exc:
+            raise TraceSourceError(f"{path}: cannot open: {exc}") from exc
+        with raw:
+            magic = raw.read(2)
+            raw.seek(0)
+            stream: IO[bytes] = gzip.GzipFile(fileobj=raw, mode="rb") if magic == _GZIP_MAGIC else raw
+            try:
+                if whole_doc:
+                    data = stream.read()
+                    bar.update(raw.tell())
+                    self._json_file(data, source, src_idx)
+                    return
+                last = 0
+                for lineno, line in enumerate(stream, 1):
+                    if line.strip():
+                        self.document(line, source, src_idx, lineno)
+                    pos = raw.tell()
+                    if pos != last:
+                        bar.update(pos - last)
+                        last = pos
+            except (OSError, EOFError, gzip.BadGzipFile) as exc:
+                raise TraceSourceError(f"{path}: cannot read: {exc}") from exc
+
+    def _json_file(self, data: bytes, source: str, src_idx: int) -> None:
+        """A ``.json`` file: one (possibly pretty-printed) document, else JSON lines."""
+        try:
+            doc = otlp_json.DECODER.decode(data)
+        except msgspec.ValidationError:
+            if not _is_json_lines(data):  # one document with a shape error: report it
+                self.document(data, source, src_idx, None)
+                return
+            doc = None
+        except msgspec.DecodeError:
+            doc = None
+        if doc is None:
+            for lineno, line in enumerate(data.splitlines(), 1):
+                if line.strip():
+                    self.document(line, source, src_idx, lineno)
+            return
+        try:
+            self.rows.add_document(doc, src_idx, None)
+        except TraceFormatError as exc:
+            if not self.skip_bad:
+                raise
+            self.rows.skipped.append(Skipped(source, None, str(exc)))
+
+    def tempo(self, src: TempoSource, bar: tqdm) -> None:
+        for url, body in src.documents():
+            src_idx = self.rows.source_index(url)
+            self.document(body, url, src_idx, None)
+            bar.update(len(body))
+
+
+def _is_json_lines(data: bytes) -> bool:
+    """Whether ``data`` has several lines and its first line is a JSON document on its own."""
+    stripped = data.strip()
+    if b"\n" not in stripped:
+        return False
+    first = stripped.split(b"\n", 1)[0]
+    try:
+        msgspec.json.decode(first)
+    except msgspec.DecodeError:
+        return False
+    return True
+
+
+def _resource_spans(raw: dict) -> Iterator[dict]:
+    for key in ("resourceSpans", "batches"):
+        if isinstance(raw.get(key), list):
+            yield from (x for x in raw[key] if isinstance(x, dict))
+    trace = raw.get("trace")
+    if isinstance(trace, dict):
+        yield from _resource_spans(trace)
+
+
+def _scope_spans(rs: dict) -> Iterator[dict]:
+    for key in ("scopeSpans", "instrumentationLibrarySpans"):
+        if isinstance(rs.get(key), list):
+            yield from (x for x in rs[key] if isinstance(x, dict))
+
+
+def read_spans(source: SourceArg, *, skip_bad: bool = False, progress: bool | None = None) -> SpanRows:
+    """Decodes every record of ``source`` into a :class:`SpanRows` (no frame, no clock correction)."""
+    resolved = resolve(source)
+    rows = SpanRows()
+    reader = _Reader(rows, skip_bad)
+    total = sum(p.stat().st_size for p in resolved if isinstance(p, Path))
+    only_files = all(isinstance(p, Path) for p in resolved)
+    with tqdm(total=total if only_files else None, unit="B", unit_scale=True, desc="loading spans",
+              disable=None if progress is None else not progress, leave=False) as bar:
+        for item in resolved:
+            if isinstance(item, TempoSource):
+                reader.tempo(item, bar)
+            else:
+                reader.file(item, bar)
+    return rows
+
+
+def load(source: SourceArg, *, skip_bad: bool = False, correct_clocks: bool = True,
+         progress: bool | None = None) -> pd.DataFrame:
+    """Spans from files (``.jsonl``/``.json``, gzip, globs, directories) or Tempo as a DataFrame.
+
+    Columns per ``docs/contracts.md``: :data:`kvtune.traces.SPAN_COLUMNS` then one typed column per
+    convention attribute. ``skip_bad`` skips malformed records instead of raising
+    :class:`~kvtune.errors.TraceFormatError`, listing them in ``df.attrs["skipped"]`` as
+    (source, line, reason). With ``correct_clocks`` each host's clock offset is estimated from
+    causal pairs and subtracted (``df.attrs["clock_offsets_ns"]``). ``progress``: tqdm bar on
+    stderr (None: only on a terminal).
+    """
+    from kvtune.traces.clocks import apply_offsets, estimate_offsets
+
+    rows = read_spans(source, skip_bad=skip_bad, progress=progress)
+    df = rows.frame(skip_bad=skip_bad)
+    offsets: dict[str, int] = {}
+    if correct_clocks and len(df):
+        est = estimate_offsets(df)
+        offsets = dict(est.offsets_ns)
+        df = apply_offsets(df, offsets)
+    df.attrs["clock_offsets_ns"] = offsets
+    df.attrs["skipped"] = [s.as_tuple() for s in rows.skipped]
+    df.attrs["sources"] = list(rows.sources)
+    if rows.skipped:
+        _logger.warning("skipped %d bad record(s) from %d source(s); first: %s:%s: %s",
+                        len(rows.skipped), len({s.source for s in rows.skipped}),
+                        rows.skipped[0].source, rows.skipped[0].line, rows.skipped[0].reason)
+    return df

@@ -1,0 +1,148 @@
+"""Typed decoding of OTLP/JSON trace documents (msgspec structs; unknown fields are skipped).
+
+One decoder accepts every shape kvtune reads:
+- an ``ExportTraceServiceRequest`` (``{"resourceSpans": [...]}``): kvtune's and the OpenTelemetry
+  Collector ``file`` exporter's lines;
+- Tempo's ``/api/traces/<id>`` body (``{"batches": [...]}``, older ``instrumentationLibrarySpans``);
+- Tempo's ``/api/v2/traces/<id>`` body (``{"trace": {"resourceSpans": [...]}}``).
+
+Int64 fields may be JSON strings or numbers (lax decoding); enums may be numbers or names.
+"""
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import msgspec
+from msgspec import UNSET, Struct, UnsetType
+
+
+class ArrayValue(Struct, rename="camel"):
+    values: list[AnyValue] = []
+
+
+class KeyValueList(Struct, rename="camel"):
+    values: list[KeyValue] = []
+
+
+class AnyValue(Struct, rename="camel"):
+    string_value: str | None = None
+    int_value: int | None = None
+    double_value: float | None = None
+    bool_value: bool | None = None
+    array_value: ArrayValue | None = None
+    kvlist_value: KeyValueList | None = None
+    bytes_value: str | None = None
+
+
+class KeyValue(Struct, rename="camel"):
+    key: str
+    value: AnyValue | None = None
+
+
+class Status(Struct, rename="camel"):
+    code: int | str = 0
+    message: str = ""
+
+
+class Span(Struct, rename="camel"):
+    trace_id: str
+    span_id: str
+    name: str
+    start_time_unix_nano: int
+    end_time_unix_nano: int
+    parent_span_id: str | None = ""
+    attributes: list[KeyValue] = []
+    status: Status | None = None
+
+
+class Resource(Struct, rename="camel"):
+    attributes: list[KeyValue] = []
+
+
+class ScopeSpans(Struct, rename="camel"):
+    spans: list[Span] = []
+
+
+class ResourceSpans(Struct, rename="camel"):
+    resource: Resource | None = None
+    scope_spans: list[ScopeSpans] = []
+    instrumentation_library_spans: list[ScopeSpans] = []
+
+
+class TraceBody(Struct, rename="camel"):
+    resource_spans: list[ResourceSpans] = []
+    batches: list[ResourceSpans] = []
+
+
+class TraceDocument(Struct, rename="camel"):
+    resource_spans: list[ResourceSpans] | UnsetType = UNSET
+    batches: list[ResourceSpans] | UnsetType = UNSET
+    trace: TraceBody | UnsetType = UNSET
+
+    def resource_spans_list(self) -> list[ResourceSpans] | None:
+        """The document's resource spans whatever its shape; None when it has none of the keys."""
+        if self.resource_spans is not UNSET:
+            return self.resource_spans
+        if self.batches is not UNSET:
+            return self.batches
+        if self.trace is not UNSET:
+            return self.trace.resource_spans or self.trace.batches
+        return None
+
+
+DOCUMENT_EXPECTED = ("an OTLP ExportTraceServiceRequest ({\"resourceSpans\": [...]}) or a Tempo "
+                     "trace ({\"batches\": [...]} or {\"trace\": {\"resourceSpans\": [...]}})")
+
+DECODER = msgspec.json.Decoder(TraceDocument, strict=False)
+"""Decodes one document (bytes) into a :class:`TraceDocument`."""
+
+_AT = re.compile(r"^(?P<msg>.*?)(?: - at `(?P<path>[^`]*)`)?$", re.S)
+_MISSING = re.compile(r"Object missing required field `(?P<field>[^`]+)`")
+
+
+def describe_error(exc: msgspec.MsgspecError) -> tuple[str, str, str]:
+    """(field path, what was expected, what was found) from a msgspec decode/validation error."""
+    text = str(exc)
+    if isinstance(exc, msgspec.DecodeError) and not isinstance(exc, msgspec.ValidationError):
+        return "(json)", "valid JSON", text
+    m = _AT.match(text)
+    msg, path = (m.group("msg"), m.group("path") or "$") if m else (text, "$")
+    missing = _MISSING.search(msg)
+    if missing:
+        return f"{path}.{missing.group('field')}", "a required field", "missing"
+    if msg.startswith("Expected "):
+        expected, _, got = msg[len("Expected "):].partition(", got ")
+        return path, expected.replace("`", ""), got.replace("`", "")
+    return path, msg, ""
+
+
+def any_value(v: AnyValue | None) -> Any:
+    """An ``AnyValue`` as a Python value (arrays as lists, kvlists as dicts, bytes as base64 str)."""
+    if v is None:
+        return None
+    if v.string_value is not None:
+        return v.string_value
+    if v.int_value is not None:
+        return v.int_value
+    if v.double_value is not None:
+        return v.double_value
+    if v.bool_value is not None:
+        return v.bool_value
+    if v.array_value is not None:
+        return [any_value(e) for e in v.array_value.values]
+    if v.kvlist_value is not None:
+        return {kv.key: any_value(kv.value) for kv in v.kvlist_value.values}
+    return v.bytes_value
+
+
+STATUS_NAMES = ("UNSET", "OK", "ERROR")
+_STATUS_BY_NAME = {"STATUS_CODE_UNSET": 0, "STATUS_CODE_OK": 1, "STATUS_CODE_ERROR": 2,
+                   "UNSET": 0, "OK": 1, "ERROR": 2}
+
+
+def status_code(code: int | str) -> int | None:
+    """OTLP status code (number or ``STATUS_CODE_*`` name) as 0/1/2, or None when unknown."""
+    if isinstance(code, int):
+        return code if 0 <= code <= 2 else None
+    return _STATUS_BY_NAME.get(code.upper())
