@@ -1,0 +1,256 @@
+"""The router's configuration: :class:`RouterConfig`, read from a YAML/JSON file or CLI flags.
+
+Configuration file keys (YAML or JSON; ``kvtune.export`` writes ``router.yaml`` with these keys)::
+
+    mode: bidirectional          # pull | push | bidirectional (default: pull)
+    host: 127.0.0.1              # address to bind (default 127.0.0.1)
+    port: 8000                   # port to bind; 0 = any free port (default 8000)
+    state: sqlite:router-state.db  # conversation store: sqlite:PATH (default) or redis://HOST:PORT/DB
+    decoder_ttl_s: 480           # the decode's decoder_kv_blocks_ttl, seconds (vLLM's default 480)
+    margin_s: 30                 # stored decode params expire this long before the decode's TTL
+    state_retention_s: 86400     # how long a conversation's turn counter is kept after its last turn
+    max_body_bytes: 8388608      # larger request bodies are refused with 413
+    connect_timeout_s: 10        # per upstream connection attempt
+    prefill_timeout_s: 600       # whole prefill leg
+    decode_timeout_s: 600        # whole non-streaming decode leg
+    stream_idle_timeout_s: 300   # longest silence between two chunks of a streaming decode
+    telemetry: {}                # keyword arguments for kvtune.telemetry.setup(Role.ROUTER, ...)
+    prefill:                     # one or more prefill instances
+      - url: http://127.0.0.1:8100
+        engine_id: prefill-0     # push only: the prefill's fixed kv-transfer-config engine_id
+        kv_host: 127.0.0.1       # push only: its NIXL side-channel host (default: the URL's host)
+        kv_port: 5600            # push only: its VLLM_NIXL_SIDE_CHANNEL_PORT
+        tp_size: 1               # its tensor-parallel size (default 1)
+        pp_size: 1               # its pipeline-parallel size (default 1)
+    decode:
+      - url: http://127.0.0.1:8200
+
+An instance may also be given as a plain URL string. Unknown keys are refused (a typo would
+otherwise silently fall back to a default).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+from kvtune.errors import ConfigError
+from kvtune.spans import Mode
+
+ROUTER_MODES: tuple[Mode, ...] = (Mode.PULL, Mode.PUSH, Mode.BIDIRECTIONAL)
+"""Modes the router serves (``Mode.PROBE`` is not a routing mode)."""
+
+DEFAULT_DECODER_TTL_S = 480.0
+"""vLLM's default ``decoder_kv_blocks_ttl`` (NIXL connector, bidirectional mode)."""
+DEFAULT_MARGIN_S = 30.0
+"""Stored params expire this long before the decode frees the blocks: covers the router->prefill
+->decode handshake time and clock differences, so the prefill never asks for freed blocks."""
+
+
+@dataclass(frozen=True)
+class InstanceConfig:
+    """One vLLM instance behind the router."""
+
+    url: str
+    engine_id: str | None = None
+    kv_host: str | None = None
+    kv_port: int | None = None
+    tp_size: int = 1
+    pp_size: int = 1
+
+    @property
+    def side_channel_host(self) -> str:
+        """The NIXL side-channel host: ``kv_host`` or the URL's host."""
+        return self.kv_host or (urlsplit(self.url).hostname or "127.0.0.1")
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    """Everything the router needs; see the module docstring for the file keys."""
+
+    prefill: tuple[InstanceConfig, ...]
+    decode: tuple[InstanceConfig, ...]
+    mode: Mode = Mode.PULL
+    host: str = "127.0.0.1"
+    port: int = 8000
+    state: str = "sqlite:router-state.db"
+    decoder_ttl_s: float = DEFAULT_DECODER_TTL_S
+    margin_s: float = DEFAULT_MARGIN_S
+    state_retention_s: float = 86400.0
+    max_body_bytes: int = 8 * 1024 * 1024
+    connect_timeout_s: float = 10.0
+    prefill_timeout_s: float = 600.0
+    decode_timeout_s: float = 600.0
+    stream_idle_timeout_s: float = 300.0
+    telemetry: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        _validate(self)
+
+    @property
+    def params_ttl_s(self) -> float:
+        """How long stored decode params are used: ``decoder_ttl_s - margin_s``."""
+        return self.decoder_ttl_s - self.margin_s
+
+    def to_dict(self) -> dict[str, Any]:
+        """The config as plain data, in the file format (round-trips through :func:`config_from_dict`)."""
+        out = dataclasses.asdict(self)
+        out["mode"] = self.mode.value
+        out["telemetry"] = dict(self.telemetry)
+        return out
+
+    def replace(self, **changes: Any) -> RouterConfig:
+        """A copy with some fields changed (validated again)."""
+        return dataclasses.replace(self, **changes)
+
+
+_FIELDS = {f.name for f in dataclasses.fields(RouterConfig)}
+_INSTANCE_FIELDS = {f.name for f in dataclasses.fields(InstanceConfig)}
+
+
+def _validate(cfg: RouterConfig, source: str = "router config") -> None:
+    if not isinstance(cfg.mode, Mode) or cfg.mode not in ROUTER_MODES:
+        raise ConfigError(f"{source}: field 'mode': expected one of "
+                          f"{[m.value for m in ROUTER_MODES]}, got {cfg.mode!r}")
+    if not cfg.prefill:
+        raise ConfigError(f"{source}: field 'prefill': expected at least one instance")
+    if not cfg.decode:
+        raise ConfigError(f"{source}: field 'decode': expected at least one instance")
+    for role, instances in (("prefill", cfg.prefill), ("decode", cfg.decode)):
+        for i, inst in enumerate(instances):
+            parts = urlsplit(inst.url)
+            if parts.scheme not in ("http", "https") or not parts.hostname:
+                raise ConfigError(f"{source}: field '{role}[{i}].url': expected an http(s) URL, "
+                                  f"got {inst.url!r}")
+            if inst.tp_size < 1 or inst.pp_size < 1:
+                raise ConfigError(f"{source}: field '{role}[{i}].tp_size/pp_size': expected >= 1")
+            if role == "prefill" and cfg.mode == Mode.PUSH and (
+                    not inst.engine_id or inst.kv_port is None):
+                raise ConfigError(
+                    f"{source}: field '{role}[{i}]': push mode names the prefill up front, so each "
+                    f"prefill needs 'engine_id' (its kv-transfer-config engine_id) and 'kv_port' "
+                    f"(its NIXL side-channel port); got engine_id={inst.engine_id!r}, "
+                    f"kv_port={inst.kv_port!r}")
+    if not (0 <= cfg.port <= 65535):
+        raise ConfigError(f"{source}: field 'port': expected 0..65535, got {cfg.port}")
+    for name in ("decoder_ttl_s", "connect_timeout_s", "prefill_timeout_s", "decode_timeout_s",
+                 "stream_idle_timeout_s", "state_retention_s"):
+        value = getattr(cfg, name)
+        if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+            raise ConfigError(f"{source}: field {name!r}: expected a positive number of seconds, "
+                              f"got {value!r}")
+    if not (0 <= cfg.margin_s < cfg.decoder_ttl_s):
+        raise ConfigError(f"{source}: field 'margin_s': expected 0 <= margin_s < decoder_ttl_s "
+                          f"({cfg.decoder_ttl_s}), got {cfg.margin_s!r}")
+    if cfg.max_body_bytes < 1024:
+        raise ConfigError(f"{source}: field 'max_body_bytes': expected >= 1024, "
+                          f"got {cfg.max_body_bytes!r}")
+    if not (cfg.state.startswith("sqlite:") or cfg.state.startswith("redis://")
+            or cfg.state == ":memory:"):
+        raise ConfigError(f"{source}: field 'state': expected 'sqlite:PATH' or 'redis://HOST:PORT/DB', "
+                          f"got {cfg.state!r}")
+
+
+def _instance(value: Any, where: str) -> InstanceConfig:
+    if isinstance(value, str):
+        return InstanceConfig(url=value.rstrip("/"))
+    if not isinstance(value, Mapping):
+        raise ConfigError(f"{where}: expected a URL string or a mapping with 'url', got {value!r}")
+    unknown = set(value) - _INSTANCE_FIELDS
+    if unknown:
+        raise ConfigError(f"{where}: unknown keys {sorted(unknown)}; expected some of "
+                          f"{sorted(_INSTANCE_FIELDS)}")
+    if "url" not in value:
+        raise ConfigError(f"{where}: field 'url': expected an http(s) URL, got nothing")
+    try:
+        return InstanceConfig(
+            url=str(value["url"]).rstrip("/"),
+            engine_id=None if value.get("engine_id") is None else str(value["engine_id"]),
+            kv_host=None if value.get("kv_host") is None else str(value["kv_host"]),
+            kv_port=None if value.get("kv_port") is None else int(value["kv_port"]),
+            tp_size=int(value.get("tp_size", 1)), pp_size=int(value.get("pp_size", 1)))
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"{where}: expected integer kv_port/tp_size/pp_size: {exc}") from None
+
+
+def config_from_dict(data: Mapping[str, Any], *, source: str = "router config") -> RouterConfig:
+    """Build a :class:`RouterConfig` from file data; errors name ``source`` and the field."""
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"{source}: expected a mapping at top level, got {type(data).__name__}")
+    unknown = set(data) - _FIELDS
+    if unknown:
+        raise ConfigError(f"{source}: unknown keys {sorted(unknown)}; expected some of {sorted(_FIELDS)}")
+    kwargs: dict[str, Any] = {}
+    for role in ("prefill", "decode"):
+        raw = data.get(role)
+        if raw is None:
+            raise ConfigError(f"{source}: field {role!r}: expected at least one instance")
+        if isinstance(raw, (str, Mapping)):
+            raw = [raw]
+        if not isinstance(raw, Sequence):
+            raise ConfigError(f"{source}: field {role!r}: expected a list of instances")
+        kwargs[role] = tuple(_instance(v, f"{source}: field '{role}[{i}]'") for i, v in enumerate(raw))
+    if "mode" in data:
+        try:
+            kwargs["mode"] = Mode(str(data["mode"]))
+        except ValueError:
+            raise ConfigError(f"{source}: field 'mode': expected one of "
+                              f"{[m.value for m in ROUTER_MODES]}, got {data['mode']!r}") from None
+    for name in ("host", "state"):
+        if name in data:
+            kwargs[name] = str(data[name])
+    for name in ("port", "max_body_bytes"):
+        if name in data:
+            try:
+                kwargs[name] = int(data[name])
+            except (TypeError, ValueError):
+                raise ConfigError(f"{source}: field {name!r}: expected an integer, "
+                                  f"got {data[name]!r}") from None
+    for name in ("decoder_ttl_s", "margin_s", "state_retention_s", "connect_timeout_s",
+                 "prefill_timeout_s", "decode_timeout_s", "stream_idle_timeout_s"):
+        if name in data:
+            try:
+                kwargs[name] = float(data[name])
+            except (TypeError, ValueError):
+                raise ConfigError(f"{source}: field {name!r}: expected a number of seconds, "
+                                  f"got {data[name]!r}") from None
+    if "telemetry" in data:
+        if not isinstance(data["telemetry"], Mapping):
+            raise ConfigError(f"{source}: field 'telemetry': expected a mapping of keyword arguments")
+        kwargs["telemetry"] = dict(data["telemetry"])
+    try:
+        return RouterConfig(**kwargs)
+    except ConfigError as exc:  # name the file, not the generic "router config"
+        raise ConfigError(str(exc).replace("router config", source, 1)) from None
+
+
+def load_config(path: str | Path) -> RouterConfig:
+    """Read a router config file (``.yaml``/``.yml`` or ``.json``)."""
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except OSError as exc:
+        raise ConfigError(f"{p}: cannot read router config: {exc.strerror or exc}") from None
+    import yaml
+    try:
+        data = json.loads(text) if p.suffix.lower() == ".json" else yaml.safe_load(text)
+    except (ValueError, yaml.YAMLError) as exc:
+        raise ConfigError(f"{p}: not valid YAML/JSON: {exc}") from None
+    return config_from_dict(data if data is not None else {}, source=str(p))
+
+
+def write_config(cfg: RouterConfig, path: str | Path) -> Path:
+    """Write ``cfg`` as YAML (or JSON when ``path`` ends in ``.json``)."""
+    p = Path(path)
+    data = cfg.to_dict()
+    if p.suffix.lower() == ".json":
+        p.write_text(json.dumps(data, indent=2) + "\n")
+    else:
+        import yaml
+        p.write_text(yaml.safe_dump(data, sort_keys=False))
+    return p

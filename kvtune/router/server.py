@@ -1,0 +1,678 @@
+"""The router's HTTP server: an OpenAI-compatible proxy in front of vLLM prefill and decode instances.
+
+Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (streaming SSE and not),
+``GET /v1/models`` (from the first decode instance that answers), ``GET /health``.
+
+Flows (the vLLM NIXL connectors' protocol; every leg of one request carries the same
+``X-Request-Id``, the W3C ``traceparent`` header, and the same traceparent inside
+``kv_transfer_params[spans.KV_PARAMS_TRACEPARENT]``):
+
+- **pull**: prefill (least loaded) with ``max_tokens: 1``, ``stream: false`` and
+  ``kv_transfer_params: {"do_remote_decode": true}``; then the decode, chosen only now by load,
+  gets the client's request with the ``kv_transfer_params`` the prefill returned.
+- **push**: prefill and decode chosen up front and both legs started together; the decode gets
+  ``{"do_remote_prefill": true, "remote_engine_id", "remote_host", "remote_port", "tp_size",
+  "pp_size", "remote_request_id"}`` naming the prefill (from its config) and the shared request id.
+- **bidirectional**: pull, plus the ``kv_transfer_params`` the decode returns at the end of each turn
+  are stored per conversation and sent as the next turn's prefill ``kv_transfer_params`` (the prefill
+  then pulls the conversation's history back from the decode). Params are handed out once and expire
+  ``decoder_ttl_s - margin_s`` after they were stored. vLLM returns them only in non-streaming
+  responses; a streamed turn (whose SSE carries none) leaves nothing stored, so the next turn
+  recomputes the history.
+
+The conversation id comes from the body field ``conversation_id`` (removed before forwarding) or
+the header ``spans.CONVERSATION_HEADER``.
+
+Failures: an upstream that cannot be reached, times out or answers 5xx gives the client a 502 JSON
+error naming the leg and instance (headers ``X-Kvtune-Failed-Leg`` / ``X-Kvtune-Failed-Instance``);
+an upstream 4xx is passed through with the same headers. A body over ``max_body_bytes`` gets 413.
+
+TTFT (``kv.ttft_ms`` on ``kv.request``): request in -> first token available to the router, i.e. the
+first SSE event carrying text when streaming, and the prefill's answer (its one token) otherwise.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+from opentelemetry import context as otel_context
+from opentelemetry import trace
+from opentelemetry.trace import Link, SpanKind, Status, StatusCode
+
+from kvtune import spans
+from kvtune.errors import RouterError
+from kvtune.router.config import InstanceConfig, RouterConfig
+from kvtune.router.pool import InstancePool
+from kvtune.router.state import ConversationStore, TurnStart, open_store
+from kvtune.router.tracing import (TRACEPARENT_HEADER, TRACER_NAME, client_span_context,
+                                   current_traceparent, set_attributes)
+
+_logger = logging.getLogger(__name__)
+
+FAILED_LEG_HEADER = "X-Kvtune-Failed-Leg"
+"""Response header naming the leg (``prefill`` or ``decode``) that failed."""
+FAILED_INSTANCE_HEADER = "X-Kvtune-Failed-Instance"
+"""Response header naming the instance (URL) that failed."""
+REQUEST_ID_HEADER = "X-Request-Id"
+COMPLETIONS_PATH = "/v1/completions"
+CHAT_PATH = "/v1/chat/completions"
+CONVERSATION_FIELD = "conversation_id"
+_FORWARDED_HEADERS = ("Authorization",)
+_ERROR_BODY_LIMIT = 2000
+
+
+class UpstreamError(RouterError):
+    """One leg failed: which leg, which instance, why; ``status`` is the upstream's HTTP status
+    (None when it never answered)."""
+
+    def __init__(self, leg: str, instance: str, reason: str, *, status: int | None = None,
+                 body: bytes = b"", content_type: str | None = None) -> None:
+        self.leg, self.instance, self.reason = leg, instance, reason
+        self.status, self.body, self.content_type = status, body, content_type
+        super().__init__(f"{leg} leg failed at {instance}: {reason}")
+
+    @property
+    def client_status(self) -> int:
+        """The status the client gets: the upstream's 4xx as is, otherwise 502."""
+        return self.status if self.status is not None and 400 <= self.status < 500 else 502
+
+
+@dataclass
+class _Call:
+    """What one proxied request found out (becomes the ``kv.request`` attributes)."""
+
+    request_id: str
+    endpoint: str
+    stream: bool
+    conversation_id: str | None
+    t0: float = field(default_factory=time.perf_counter)
+    turn: int | None = None
+    prefill_url: str | None = None
+    decode_url: str | None = None
+    prompt_tokens: int | None = None
+    output_tokens: int | None = None
+    ttft_ms: float | None = None
+    http_status: int = 200
+    remote_tokens: int | None = None
+    error_type: str | None = None
+    error_message: str | None = None
+
+    def first_token(self) -> None:
+        if self.ttft_ms is None:
+            self.ttft_ms = (time.perf_counter() - self.t0) * 1000.0
+
+
+def _error_json(status: int, message: str, *, kind: str, leg: str | None = None,
+                instance: str | None = None, headers: Mapping[str, str] | None = None) -> web.Response:
+    err: dict[str, Any] = {"message": message, "type": kind, "code": status}
+    if leg is not None:
+        err["leg"] = leg
+    if instance is not None:
+        err["instance"] = instance
+    return web.json_response({"error": err}, status=status, headers=dict(headers or {}))
+
+
+def _upstream_error_response(exc: UpstreamError, request_id: str) -> web.Response:
+    headers = {FAILED_LEG_HEADER: exc.leg, FAILED_INSTANCE_HEADER: exc.instance,
+               REQUEST_ID_HEADER: request_id}
+    status = exc.client_status
+    if status != 502 and exc.body:
+        return web.Response(status=status, body=exc.body, headers=headers,
+                            content_type=(exc.content_type or "application/json").split(";")[0])
+    return _error_json(status, str(exc), kind="upstream_error", leg=exc.leg, instance=exc.instance,
+                       headers=headers)
+
+
+class _SseWatcher:
+    """Reads the SSE bytes a decode streams (without changing them): first token, counts, usage,
+    and ``kv_transfer_params`` should an event carry them."""
+
+    def __init__(self) -> None:
+        self._buf = b""
+        self.content_events = 0
+        self.usage_completion_tokens: int | None = None
+        self.kv_transfer_params: dict[str, Any] | None = None
+        self.error: Any = None
+
+    def feed(self, chunk: bytes) -> bool:
+        """Take bytes; True when they held the stream's first event with generated text."""
+        first = False
+        self._buf += chunk
+        while b"\n" in self._buf:
+            line, self._buf = self._buf.split(b"\n", 1)
+            line = line.strip()
+            if not line.startswith(b"data:"):
+                continue
+            data = line[5:].strip()
+            if not data or data == b"[DONE]":
+                continue
+            try:
+                event = json.loads(data)
+            except ValueError:
+                continue
+            if not isinstance(event, dict):
+                continue
+            if "error" in event:
+                self.error = event["error"]
+            if isinstance(event.get("kv_transfer_params"), dict):
+                self.kv_transfer_params = event["kv_transfer_params"]
+            usage = event.get("usage")
+            if isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):
+                self.usage_completion_tokens = usage["completion_tokens"]
+            if _has_text(event):
+                self.content_events += 1
+                first = first or self.content_events == 1
+        return first
+
+    @property
+    def output_tokens(self) -> int:
+        """Usage's completion tokens when reported, else the number of events with text."""
+        return (self.usage_completion_tokens if self.usage_completion_tokens is not None
+                else self.content_events)
+
+
+def _has_text(event: Mapping[str, Any]) -> bool:
+    for choice in event.get("choices") or ():
+        if not isinstance(choice, dict):
+            continue
+        if choice.get("text"):
+            return True
+        delta = choice.get("delta")
+        if isinstance(delta, dict) and (delta.get("content") or delta.get("reasoning_content")):
+            return True
+    return False
+
+
+def _usage(body: Mapping[str, Any], key: str) -> int | None:
+    usage = body.get("usage")
+    if isinstance(usage, dict) and isinstance(usage.get(key), int):
+        return usage[key]
+    return None
+
+
+class Router:
+    """The proxy: build it from a :class:`RouterConfig`, then :meth:`start` / :meth:`stop` it on a
+    running event loop (or use :func:`serve`). ``tracer`` defaults to the global tracer provider's."""
+
+    def __init__(self, config: RouterConfig, *, store: ConversationStore | None = None,
+                 tracer: trace.Tracer | None = None) -> None:
+        self.config = config
+        self.store = store if store is not None else open_store(
+            config.state, params_ttl_s=config.params_ttl_s, retention_s=config.state_retention_s)
+        self.tracer = tracer if tracer is not None else trace.get_tracer(TRACER_NAME)
+        self.prefill = InstancePool("prefill", config.prefill)
+        self.decode = InstancePool("decode", config.decode)
+        self._session: aiohttp.ClientSession | None = None
+        self._runner: web.AppRunner | None = None
+        self.port: int | None = None
+
+    # --- lifecycle --------------------------------------------------------------------------------
+    def make_app(self) -> web.Application:
+        app = web.Application(client_max_size=self.config.max_body_bytes)
+        app.router.add_post(COMPLETIONS_PATH, self._completions)
+        app.router.add_post(CHAT_PATH, self._chat)
+        app.router.add_get("/v1/models", self._models)
+        app.router.add_get("/health", self._health)
+        app.on_startup.append(self._on_startup)
+        app.on_cleanup.append(self._on_cleanup)
+        return app
+
+    async def _on_startup(self, app: web.Application) -> None:
+        self._session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=30.0),
+            timeout=aiohttp.ClientTimeout(total=None, sock_connect=self.config.connect_timeout_s))
+
+    async def _on_cleanup(self, app: web.Application) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    async def start(self, host: str | None = None, port: int | None = None) -> str:
+        """Bind and serve; returns the base URL (``port`` 0 picks a free port)."""
+        self._runner = web.AppRunner(self.make_app(), access_log=None, handle_signals=False)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, host or self.config.host,
+                           self.config.port if port is None else port)
+        await site.start()
+        sockets = getattr(site._server, "sockets", None) or []  # noqa: SLF001 (aiohttp has no API)
+        self.port = sockets[0].getsockname()[1] if sockets else (port or self.config.port)
+        return f"http://{host or self.config.host}:{self.port}"
+
+    async def stop(self) -> None:
+        """Stop serving and close the store."""
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+        try:
+            self.store.close()
+        except Exception:
+            _logger.warning("closing the conversation store failed", exc_info=True)
+
+    # --- small endpoints --------------------------------------------------------------------------
+    async def _health(self, request: web.Request) -> web.Response:
+        return web.json_response({
+            "status": "ok", "mode": self.config.mode.value,
+            "prefill": [vars(s) for s in self.prefill.snapshot()],
+            "decode": [vars(s) for s in self.decode.snapshot()]})
+
+    async def _models(self, request: web.Request) -> web.Response:
+        assert self._session is not None
+        errors = []
+        for inst in self.config.decode:
+            try:
+                async with self._session.get(
+                        inst.url + "/v1/models", headers=self._forward_headers(request),
+                        timeout=aiohttp.ClientTimeout(total=self.config.connect_timeout_s * 3,
+                                                      sock_connect=self.config.connect_timeout_s)
+                ) as resp:
+                    body = await resp.read()
+                    if resp.status == 200:
+                        return web.Response(body=body, content_type="application/json")
+                    errors.append(f"{inst.url}: HTTP {resp.status}")
+            except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+                errors.append(f"{inst.url}: {type(exc).__name__} {exc}")
+        return _error_json(502, "no decode instance answered /v1/models: " + "; ".join(errors),
+                           kind="upstream_error", leg="decode", instance=self.config.decode[0].url,
+                           headers={FAILED_LEG_HEADER: "decode",
+                                    FAILED_INSTANCE_HEADER: self.config.decode[0].url})
+
+    @staticmethod
+    def _forward_headers(request: web.Request) -> dict[str, str]:
+        return {h: request.headers[h] for h in _FORWARDED_HEADERS if h in request.headers}
+
+    # --- completions ------------------------------------------------------------------------------
+    async def _completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._handle(request, COMPLETIONS_PATH)
+
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._handle(request, CHAT_PATH)
+
+    async def _handle(self, request: web.Request, endpoint: str) -> web.StreamResponse:
+        request_id = request.headers.get(REQUEST_ID_HEADER) or f"kvtune-{uuid.uuid4().hex}"
+        limit = self.config.max_body_bytes
+        if request.content_length is not None and request.content_length > limit:
+            return _error_json(413, f"request body of {request.content_length} bytes is over the "
+                               f"router's max_body_bytes ({limit})", kind="request_too_large")
+        try:
+            raw = await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            return _error_json(413, f"request body is over the router's max_body_bytes ({limit})",
+                               kind="request_too_large")
+        try:
+            body = json.loads(raw)
+        except ValueError as exc:
+            return _error_json(400, f"request body is not JSON: {exc}", kind="invalid_request_error")
+        if not isinstance(body, dict):
+            return _error_json(400, "request body: expected a JSON object",
+                               kind="invalid_request_error")
+        conv = body.pop(CONVERSATION_FIELD, None)
+        if conv is None:
+            conv = request.headers.get(spans.CONVERSATION_HEADER)
+        if conv is not None and (isinstance(conv, bool) or not isinstance(conv, (str, int))
+                                 or conv == ""):
+            return _error_json(400, f"field {CONVERSATION_FIELD!r}: expected a non-empty string",
+                               kind="invalid_request_error")
+        call = _Call(request_id=request_id, endpoint=endpoint, stream=bool(body.get("stream")),
+                     conversation_id=None if conv is None else str(conv))
+        links = []
+        client_ctx = client_span_context(request.headers)
+        if client_ctx is not None:
+            links.append(Link(client_ctx))
+        # kv.request is the root of the request's trace: an empty parent context on purpose.
+        with self.tracer.start_as_current_span(
+                spans.SpanName.REQUEST.value, context=otel_context.Context(), kind=SpanKind.SERVER,
+                links=links, record_exception=False, set_status_on_exception=False) as span:
+            try:
+                response = await self._route(request, body, call)
+            except UpstreamError as exc:
+                call.http_status = exc.client_status
+                call.error_type = type(exc).__name__
+                call.error_message = str(exc)
+                _logger.warning("request %s: %s", request_id, exc)
+                response = _upstream_error_response(exc, request_id)
+            except Exception as exc:
+                call.http_status = 500
+                call.error_type = type(exc).__name__
+                call.error_message = f"router error: {exc}"
+                _logger.exception("request %s failed in the router", request_id)
+                response = _error_json(500, f"router error: {type(exc).__name__}: {exc}",
+                                       kind="router_error", headers={REQUEST_ID_HEADER: request_id})
+            finally:
+                self._finish_span(span, call)
+        return response
+
+    def _finish_span(self, span: trace.Span, call: _Call) -> None:
+        set_attributes(span, {
+            spans.MODE: self.config.mode.value, spans.BASE_REQUEST_ID: call.request_id,
+            spans.REQUEST_ID: call.request_id, spans.ROLE: spans.Role.ROUTER.value,
+            spans.CONVERSATION_ID: call.conversation_id, spans.TURN: call.turn,
+            spans.PREFILL_INSTANCE: call.prefill_url, spans.DECODE_INSTANCE: call.decode_url,
+            spans.PROMPT_TOKENS: call.prompt_tokens, spans.OUTPUT_TOKENS: call.output_tokens,
+            spans.TTFT_MS: call.ttft_ms, spans.STREAM: call.stream,
+            spans.HTTP_STATUS: call.http_status, spans.REUSE_REMOTE_TOKENS: call.remote_tokens,
+            spans.ERROR_TYPE: call.error_type})
+        try:
+            if call.error_type is not None:
+                span.set_status(Status(StatusCode.ERROR, call.error_message))
+        except Exception:
+            _logger.warning("setting span status failed", exc_info=True)
+
+    async def _route(self, request: web.Request, body: dict[str, Any],
+                     call: _Call) -> web.StreamResponse:
+        start: TurnStart | None = None
+        if call.conversation_id is not None:
+            start = await asyncio.to_thread(self.store.begin_turn, call.conversation_id)
+            call.turn = start.turn
+        traceparent = current_traceparent()
+        headers = {REQUEST_ID_HEADER: call.request_id, **self._forward_headers(request)}
+        if traceparent:
+            headers[TRACEPARENT_HEADER] = traceparent
+        if self.config.mode == spans.Mode.PUSH:
+            return await self._push(request, body, call, headers, traceparent)
+        reuse = start.kv_transfer_params if (
+            start is not None and self.config.mode == spans.Mode.BIDIRECTIONAL) else None
+        return await self._pull(request, body, call, headers, traceparent, reuse)
+
+    # --- legs -------------------------------------------------------------------------------------
+    def _prefill_body(self, body: Mapping[str, Any], kv_params: dict[str, Any],
+                      endpoint: str) -> dict[str, Any]:
+        out = dict(body)
+        out["max_tokens"] = 1
+        if endpoint == CHAT_PATH:
+            out["max_completion_tokens"] = 1
+        out["stream"] = False
+        for key in ("stream_options", "min_tokens"):
+            out.pop(key, None)
+        out["kv_transfer_params"] = kv_params
+        return out
+
+    @staticmethod
+    def _with_traceparent(params: Mapping[str, Any], traceparent: str | None) -> dict[str, Any]:
+        out = dict(params)
+        if traceparent:
+            out[spans.KV_PARAMS_TRACEPARENT] = traceparent
+        return out
+
+    async def _post_json(self, leg: str, inst: InstanceConfig, path: str, body: Mapping[str, Any],
+                         headers: Mapping[str, str], total_s: float) -> dict[str, Any]:
+        assert self._session is not None
+        timeout = aiohttp.ClientTimeout(total=total_s, sock_connect=self.config.connect_timeout_s)
+        try:
+            async with self._session.post(inst.url + path, json=body, headers=dict(headers),
+                                          timeout=timeout) as resp:
+                data = await resp.read()
+                if resp.status != 200:
+                    raise UpstreamError(leg, inst.url, f"HTTP {resp.status}: "
+                                        f"{data[:_ERROR_BODY_LIMIT].decode(errors='replace')}",
+                                        status=resp.status, body=data,
+                                        content_type=resp.headers.get("Content-Type"))
+        except asyncio.TimeoutError:
+            raise UpstreamError(leg, inst.url, f"no complete answer within {total_s:g} s") from None
+        except aiohttp.ClientError as exc:
+            raise UpstreamError(leg, inst.url, f"{type(exc).__name__}: {exc}") from None
+        try:
+            parsed = json.loads(data)
+        except ValueError:
+            raise UpstreamError(leg, inst.url, "answer is not JSON") from None
+        if not isinstance(parsed, dict):
+            raise UpstreamError(leg, inst.url, "answer is not a JSON object")
+        return parsed
+
+    async def _open_stream(self, leg: str, inst: InstanceConfig, path: str,
+                           body: Mapping[str, Any],
+                           headers: Mapping[str, str]) -> aiohttp.ClientResponse:
+        """POST and return the open response once its status is 200 (caller releases it)."""
+        assert self._session is not None
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.config.connect_timeout_s,
+                                        sock_read=self.config.stream_idle_timeout_s)
+        try:
+            resp = await self._session.post(inst.url + path, json=body, headers=dict(headers),
+                                            timeout=timeout)
+        except asyncio.TimeoutError:
+            raise UpstreamError(leg, inst.url, "no answer within "
+                                f"{self.config.stream_idle_timeout_s:g} s") from None
+        except aiohttp.ClientError as exc:
+            raise UpstreamError(leg, inst.url, f"{type(exc).__name__}: {exc}") from None
+        if resp.status != 200:
+            try:
+                data = await asyncio.wait_for(resp.read(), self.config.connect_timeout_s)
+            except (asyncio.TimeoutError, aiohttp.ClientError):
+                data = b""
+            finally:
+                resp.release()
+            raise UpstreamError(leg, inst.url, f"HTTP {resp.status}: "
+                                f"{data[:_ERROR_BODY_LIMIT].decode(errors='replace')}",
+                                status=resp.status, body=data,
+                                content_type=resp.headers.get("Content-Type"))
+        return resp
+
+    async def _relay_stream(self, request: web.Request, upstream: aiohttp.ClientResponse,
+                            inst: InstanceConfig, call: _Call) -> tuple[web.StreamResponse,
+                                                                        _SseWatcher]:
+        """Copy the decode's SSE to the client as it comes; a mid-stream upstream failure is
+        reported in-band (an SSE ``error`` event) since the status line is already sent."""
+        watcher = _SseWatcher()
+        out = web.StreamResponse(status=200, headers={
+            "Content-Type": upstream.headers.get("Content-Type", "text/event-stream"),
+            "Cache-Control": "no-cache", REQUEST_ID_HEADER: call.request_id})
+        try:
+            await out.prepare(request)
+            try:
+                async for chunk in upstream.content.iter_any():
+                    if watcher.feed(chunk):
+                        call.first_token()
+                    await out.write(chunk)
+            except (asyncio.TimeoutError, aiohttp.ClientError) as exc:
+                reason = (f"stream silent for {self.config.stream_idle_timeout_s:g} s"
+                          if isinstance(exc, asyncio.TimeoutError) else f"{type(exc).__name__}: {exc}")
+                err = UpstreamError("decode", inst.url, f"stream broke: {reason}")
+                call.error_type, call.error_message = type(err).__name__, str(err)
+                event = {"error": {"message": str(err), "type": "upstream_error", "code": 502,
+                                   "leg": "decode", "instance": inst.url}}
+                await out.write(b"data: " + json.dumps(event).encode() + b"\n\n")
+            await out.write_eof()
+        except ConnectionResetError:
+            # The client went away: dropping the upstream connection aborts the request in vLLM.
+            call.error_type, call.error_message = "ClientDisconnected", "client closed the stream"
+            upstream.close()
+        finally:
+            upstream.release()
+        if watcher.error is not None and call.error_type is None:
+            call.error_type, call.error_message = "UpstreamStreamError", str(watcher.error)[:500]
+        call.output_tokens = watcher.output_tokens
+        return out, watcher
+
+    # --- modes ------------------------------------------------------------------------------------
+    async def _pull(self, request: web.Request, body: dict[str, Any], call: _Call,
+                    headers: dict[str, str], traceparent: str | None,
+                    reuse: Mapping[str, Any] | None) -> web.StreamResponse:
+        cfg = self.config
+        kv_params: dict[str, Any] = {"do_remote_decode": True}
+        if reuse:
+            # Bidirectional: the decode's params of the previous turn (do_remote_decode, its block
+            # ids, remote_num_tokens ...): the prefill pulls the history back from the decode.
+            kv_params = {**reuse, "do_remote_decode": True}
+            remote_tokens = reuse.get("remote_num_tokens")
+            call.remote_tokens = remote_tokens if isinstance(remote_tokens, int) else None
+        p_idx = self.prefill.choose()
+        with self.prefill.lease(p_idx) as p_inst:
+            call.prefill_url = p_inst.url
+            try:
+                p_resp = await self._post_json(
+                    "prefill", p_inst, call.endpoint,
+                    self._prefill_body(body, self._with_traceparent(kv_params, traceparent),
+                                       call.endpoint), headers, cfg.prefill_timeout_s)
+            except UpstreamError:
+                self.prefill.mark_failure(p_idx)
+                raise
+        if not call.stream:
+            call.first_token()  # non-streaming TTFT: the prefill's one token exists now
+        call.prompt_tokens = _usage(p_resp, "prompt_tokens")
+        returned = p_resp.get("kv_transfer_params")
+        if not isinstance(returned, dict):
+            raise UpstreamError("prefill", p_inst.url, "answer carries no kv_transfer_params (is the "
+                                "instance started with a kv_producer NIXL connector?)")
+        d_body = dict(body)
+        d_body["kv_transfer_params"] = self._with_traceparent(returned, traceparent)
+        d_idx = self.decode.choose()  # late: the decode is chosen by load only now
+        with self.decode.lease(d_idx) as d_inst:
+            call.decode_url = d_inst.url
+            try:
+                if call.stream:
+                    upstream = await self._open_stream("decode", d_inst, call.endpoint, d_body,
+                                                       headers)
+                    out, watcher = await self._relay_stream(request, upstream, d_inst, call)
+                    await self._remember(call, watcher.kv_transfer_params, d_inst)
+                    return out
+                d_resp = await self._post_json("decode", d_inst, call.endpoint, d_body, headers,
+                                               cfg.decode_timeout_s)
+            except UpstreamError:
+                self.decode.mark_failure(d_idx)
+                raise
+        call.output_tokens = _usage(d_resp, "completion_tokens")
+        if call.prompt_tokens is None:
+            call.prompt_tokens = _usage(d_resp, "prompt_tokens")
+        await self._remember(call, d_resp.get("kv_transfer_params"), d_inst)
+        return web.json_response(d_resp, headers={REQUEST_ID_HEADER: call.request_id})
+
+    async def _remember(self, call: _Call, params: Any, inst: InstanceConfig) -> None:
+        """Bidirectional: store the decode's returned params for the conversation's next turn."""
+        if self.config.mode != spans.Mode.BIDIRECTIONAL or call.conversation_id is None:
+            return
+        if isinstance(params, dict) and params.get("remote_block_ids"):
+            await asyncio.to_thread(self.store.store_params, call.conversation_id, params, inst.url)
+
+    async def _push(self, request: web.Request, body: dict[str, Any], call: _Call,
+                    headers: dict[str, str], traceparent: str | None) -> web.StreamResponse:
+        cfg = self.config
+        p_idx, d_idx = self.prefill.choose(), self.decode.choose()
+        with self.prefill.lease(p_idx) as p_inst, self.decode.lease(d_idx) as d_inst:
+            call.prefill_url, call.decode_url = p_inst.url, d_inst.url
+            p_body = self._prefill_body(
+                body, self._with_traceparent({"do_remote_decode": True}, traceparent),
+                call.endpoint)
+            d_body = dict(body)
+            d_body["kv_transfer_params"] = self._with_traceparent({
+                "do_remote_prefill": True, "remote_engine_id": p_inst.engine_id,
+                "remote_host": p_inst.side_channel_host, "remote_port": p_inst.kv_port,
+                "tp_size": p_inst.tp_size, "pp_size": p_inst.pp_size,
+                "remote_request_id": call.request_id}, traceparent)
+            prefill_task = asyncio.create_task(self._post_json(
+                "prefill", p_inst, call.endpoint, p_body, headers, cfg.prefill_timeout_s))
+            if call.stream:
+                decode_task: asyncio.Task[Any] = asyncio.create_task(
+                    self._open_stream("decode", d_inst, call.endpoint, d_body, headers))
+            else:
+                decode_task = asyncio.create_task(self._post_json(
+                    "decode", d_inst, call.endpoint, d_body, headers, cfg.decode_timeout_s))
+            try:
+                p_resp, decoded = await self._both(prefill_task, decode_task, call)
+            except UpstreamError as exc:
+                (self.prefill if exc.leg == "prefill" else self.decode).mark_failure(
+                    p_idx if exc.leg == "prefill" else d_idx)
+                raise
+            if call.stream:
+                out, _ = await self._relay_stream(request, decoded, d_inst, call)
+                if p_resp is None:
+                    p_resp = await self._settle_prefill(prefill_task, call)
+                if p_resp is not None:
+                    call.prompt_tokens = _usage(p_resp, "prompt_tokens")
+                return out
+        call.prompt_tokens = _usage(p_resp, "prompt_tokens") if p_resp else None
+        call.output_tokens = _usage(decoded, "completion_tokens")
+        return web.json_response(decoded, headers={REQUEST_ID_HEADER: call.request_id})
+
+    async def _both(self, prefill_task: asyncio.Task[Any], decode_task: asyncio.Task[Any],
+                    call: _Call) -> tuple[dict[str, Any] | None, Any]:
+        """Wait for the push legs. A failing leg cancels the other, except that a decode which
+        already answered wins (the prefill's failure is then recorded, not returned). Streaming
+        returns as soon as the decode's stream is open; the prefill is collected after it."""
+        pending: set[asyncio.Task[Any]] = {prefill_task, decode_task}
+        p_resp = None
+        try:
+            while pending:
+                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                if decode_task in done:
+                    decoded = decode_task.result()  # raises the decode's UpstreamError
+                    if not call.stream or prefill_task.done():
+                        p_resp = await self._settle_prefill(prefill_task, call)
+                    return p_resp, decoded
+                if prefill_task in done:
+                    p_resp = prefill_task.result()  # raises the prefill's UpstreamError
+                    if not call.stream:
+                        call.first_token()
+            raise AssertionError("unreachable")
+        except BaseException:
+            for task in (prefill_task, decode_task):
+                if not task.done():
+                    task.cancel()
+            await asyncio.gather(prefill_task, decode_task, return_exceptions=True)
+            if call.stream and decode_task.done() and not decode_task.cancelled() \
+                    and decode_task.exception() is None:
+                decode_task.result().close()
+            raise
+
+    async def _settle_prefill(self, task: asyncio.Task[Any], call: _Call) -> dict[str, Any] | None:
+        """The push prefill's answer; its failure after the decode answered is recorded only."""
+        try:
+            result = await task
+        except UpstreamError as exc:
+            if call.error_type is None:
+                call.error_type, call.error_message = type(exc).__name__, str(exc)
+            _logger.warning("request %s: %s (after the decode answered)", call.request_id, exc)
+            return None
+        if not call.stream:
+            call.first_token()
+        return result
+
+
+async def serve(config: RouterConfig, *, port_file: str | None = None,
+                stop_event: asyncio.Event | None = None) -> None:
+    """Run the router until ``stop_event`` is set (or the task is cancelled). With ``port_file``,
+    writes the bound port there once serving (atomically), for callers that asked for port 0."""
+    import os
+
+    router = Router(config)
+    url = await router.start()
+    _logger.info("kvtune router (%s mode) on %s; prefill %s; decode %s; state %s",
+                 config.mode.value, url, [i.url for i in config.prefill],
+                 [i.url for i in config.decode], config.state)
+    if port_file:
+        tmp = f"{port_file}.tmp{os.getpid()}"
+        with open(tmp, "w") as fh:
+            fh.write(str(router.port))
+        os.replace(tmp, port_file)
+    try:
+        await (stop_event or asyncio.Event()).wait()
+    finally:
+        await router.stop()
+
+
+def run_router(config: RouterConfig, *, port_file: str | None = None) -> int:
+    """Set up telemetry and serve until SIGTERM/SIGINT (the CLI's one call); returns 0."""
+    import signal
+
+    from kvtune.router.tracing import setup_telemetry
+
+    shutdown = setup_telemetry(config.telemetry)
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        await serve(config, port_file=port_file, stop_event=stop)
+
+    try:
+        asyncio.run(main())
+    finally:
+        shutdown()
+    return 0

@@ -1,0 +1,337 @@
+"""Stand-ins for vLLM prefill/decode servers with NIXL connectors: :class:`StandInVllmServer`.
+
+They speak vLLM's P/D HTTP protocol (the ``kv_transfer_params`` each side expects and returns, in
+pull, push and bidirectional mode) but compute nothing and move no KV: they exist to test and
+benchmark the router where real vLLM engines are too slow to run many times. A shared
+:class:`StandInKvLedger` plays the part of the KV blocks, so protocol mistakes fail loudly:
+
+- a decode given ``do_remote_prefill`` params the prefill never issued answers 400;
+- in push mode the decode waits (bounded) for the prefill with the same ``X-Request-Id``;
+- a prefill given a decode's retained blocks that were already consumed or never retained
+  answers 400 (blocks are consumed once, as vLLM frees them after the read).
+
+Tokens are whitespace-separated words of the prompt (or of the chat messages' contents).
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import threading
+import time
+from collections.abc import Coroutine, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from aiohttp import web
+
+from kvtune.router.config import InstanceConfig
+
+T = TypeVar("T")
+STANDIN_MODEL = "standin-model"
+PUSH_WAIT_S = 60.0
+"""How long a push decode stand-in waits for its prefill before failing (a bounded wait)."""
+
+
+@dataclass(frozen=True)
+class ReceivedRequest:
+    """One request a stand-in received, and the ``kv_transfer_params`` it answered with."""
+
+    server: str
+    path: str
+    body: Mapping[str, Any]
+    headers: Mapping[str, str]
+    status: int
+    returned_kv_params: Mapping[str, Any] | None
+    pulled_tokens: int = 0
+    """Prefill: history tokens taken from a decode's retained blocks (bidirectional)."""
+
+
+@dataclass
+class StandInKvLedger:
+    """The blocks the stand-ins pretend to hold, shared by one cluster's servers."""
+
+    issued: dict[str, Mapping[str, Any]] = field(default_factory=dict)
+    """Prefill's returned params by remote_request_id (pull), waiting for a decode to read them."""
+    retained: dict[str, Mapping[str, Any]] = field(default_factory=dict)
+    """Decode's returned params by remote_request_id (bidirectional), until a prefill pulls them."""
+    pushed: dict[str, asyncio.Event] = field(default_factory=dict)
+    """Push: one event per request id, set when the prefill has 'written' the KV."""
+    blocks: itertools.count = field(default_factory=lambda: itertools.count(1))
+
+    def push_event(self, request_id: str) -> asyncio.Event:
+        return self.pushed.setdefault(request_id, asyncio.Event())
+
+
+def _prompt_words(path: str, body: Mapping[str, Any]) -> list[str]:
+    if path.endswith("/chat/completions"):
+        words: list[str] = []
+        for msg in body.get("messages") or ():
+            content = msg.get("content") if isinstance(msg, dict) else None
+            if isinstance(content, str):
+                words.extend(content.split())
+        return words
+    prompt = body.get("prompt", "")
+    if isinstance(prompt, list):
+        prompt = " ".join(str(p) for p in prompt)
+    return str(prompt).split()
+
+
+class StandInVllmServer:
+    """A stand-in vLLM server (``role`` "prefill" or "decode"); see the module docstring.
+
+    Run it with a :class:`StandInVllmCluster`. ``fail_status`` (answer every completion with that
+    status) and ``delay_s`` (sleep before answering) may be changed while it runs.
+    """
+
+    def __init__(self, role: str, name: str, ledger: StandInKvLedger, *, kv_port: int,
+                 bidirectional: bool = False, decoder_ttl_s: float = 480.0) -> None:
+        if role not in ("prefill", "decode"):
+            raise ValueError(f"role: expected 'prefill' or 'decode', got {role!r}")
+        self.role, self.name, self.ledger = role, name, ledger
+        self.engine_id = name
+        self.kv_port = kv_port
+        self.bidirectional = bidirectional
+        self.decoder_ttl_s = decoder_ttl_s
+        self.fail_status: int | None = None
+        self.delay_s = 0.0
+        self.received: list[ReceivedRequest] = []
+        self.url = ""
+        self._runner: web.AppRunner | None = None
+
+    def instance(self) -> InstanceConfig:
+        """This server as a router instance (with its engine id and side-channel port)."""
+        return InstanceConfig(url=self.url, engine_id=self.engine_id, kv_host="127.0.0.1",
+                              kv_port=self.kv_port)
+
+    async def start(self) -> None:
+        app = web.Application()
+        app.router.add_post("/v1/completions", self._completion)
+        app.router.add_post("/v1/chat/completions", self._completion)
+        app.router.add_get("/v1/models", self._models)
+        app.router.add_get("/health", self._health)
+        self._runner = web.AppRunner(app, access_log=None, handle_signals=False)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]  # noqa: SLF001
+        self.url = f"http://127.0.0.1:{port}"
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+    async def _health(self, request: web.Request) -> web.Response:
+        return web.Response(text="")
+
+    async def _models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [
+            {"id": STANDIN_MODEL, "object": "model", "owned_by": f"stand-in {self.name}"}]})
+
+    def _record(self, request: web.Request, body: Mapping[str, Any], status: int,
+                returned: Mapping[str, Any] | None, pulled: int = 0) -> None:
+        self.received.append(ReceivedRequest(self.name, request.path, body, dict(request.headers),
+                                             status, returned, pulled))
+
+    def _reject(self, request: web.Request, body: Mapping[str, Any], status: int,
+                message: str) -> web.Response:
+        self._record(request, body, status, None)
+        return web.json_response({"error": {"message": f"stand-in {self.name}: {message}",
+                                            "type": "BadRequestError", "code": status}},
+                                 status=status)
+
+    async def _completion(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        if self.delay_s:
+            await asyncio.sleep(self.delay_s)
+        if self.fail_status is not None:
+            return self._reject(request, body, self.fail_status, "failing on purpose")
+        params = body.get("kv_transfer_params")
+        if not isinstance(params, dict):
+            return self._reject(request, body, 400, "expected kv_transfer_params (P/D protocol)")
+        if self.role == "prefill":
+            return await self._prefill(request, body, params)
+        return await self._decode(request, body, params)
+
+    def _kv_params(self, request_id: str, tokens: int, *, decode_side: bool) -> dict[str, Any]:
+        n_blocks = max(1, -(-tokens // 16))
+        return {
+            "do_remote_prefill": not decode_side, "do_remote_decode": decode_side,
+            "remote_block_ids": [[next(self.ledger.blocks) for _ in range(n_blocks)]],
+            "remote_engine_id": self.engine_id, "remote_request_id": request_id,
+            "remote_host": "127.0.0.1", "remote_port": self.kv_port, "tp_size": 1, "pp_size": 1,
+            "remote_num_tokens": tokens,
+            "remote_blocks_expiry_time": (time.perf_counter() + self.decoder_ttl_s
+                                          if decode_side else None)}
+
+    async def _prefill(self, request: web.Request, body: dict[str, Any],
+                       params: dict[str, Any]) -> web.Response:
+        if not params.get("do_remote_decode"):
+            return self._reject(request, body, 400, "prefill expects do_remote_decode")
+        if body.get("max_tokens") != 1 or body.get("stream"):
+            return self._reject(request, body, 400, "prefill leg expects max_tokens 1, no stream")
+        words = _prompt_words(request.path, body)
+        pulled = 0
+        if params.get("remote_block_ids"):  # bidirectional: the decode's retained history
+            held = self.ledger.retained.pop(str(params.get("remote_request_id")), None)
+            if held is None or held.get("remote_block_ids") != params["remote_block_ids"]:
+                return self._reject(request, body, 400, "decode blocks not retained (expired, "
+                                    "consumed or never issued)")
+            pulled = min(int(params.get("remote_num_tokens") or 0), len(words))
+        rid = request.headers.get("X-Request-Id", f"standin-{id(body)}")
+        returned = self._kv_params(f"cmpl-{rid}-0", len(words), decode_side=False)
+        self.ledger.issued[returned["remote_request_id"]] = returned
+        self.ledger.push_event(rid).set()  # push: the KV is "written"
+        self._record(request, body, 200, returned, pulled)
+        return web.json_response(self._answer(request.path, rid, ["P"], len(words), returned))
+
+    async def _decode(self, request: web.Request, body: dict[str, Any],
+                      params: dict[str, Any]) -> web.StreamResponse:
+        if not params.get("do_remote_prefill"):
+            return self._reject(request, body, 400, "decode expects do_remote_prefill")
+        rid = request.headers.get("X-Request-Id", f"standin-{id(body)}")
+        if params.get("remote_block_ids") is None:  # push: wait for the named prefill's write
+            missing = [k for k in ("remote_engine_id", "remote_host", "remote_port", "tp_size",
+                                   "pp_size", "remote_request_id") if params.get(k) is None]
+            if missing:
+                return self._reject(request, body, 400, f"push decode params lack {missing}")
+            try:
+                await asyncio.wait_for(self.ledger.push_event(str(params["remote_request_id"]))
+                                       .wait(), PUSH_WAIT_S)
+            except asyncio.TimeoutError:
+                return self._reject(request, body, 504, "push: the prefill never wrote the KV")
+        else:  # pull: read the blocks the prefill issued, once
+            issued = self.ledger.issued.pop(str(params.get("remote_request_id")), None)
+            if issued is None or issued.get("remote_block_ids") != params["remote_block_ids"]:
+                return self._reject(request, body, 400, "prefill blocks unknown or already read")
+        words = _prompt_words(request.path, body)
+        n_out = int(body.get("max_completion_tokens") or body.get("max_tokens") or 16)
+        out_words = [f"w{i}" for i in range(n_out)]
+        returned = None
+        if self.bidirectional:
+            returned = self._kv_params(f"cmpl-{rid}-0", len(words) + n_out, decode_side=True)
+            self.ledger.retained[returned["remote_request_id"]] = returned
+        self._record(request, body, 200, returned)
+        if not body.get("stream"):
+            return web.json_response(self._answer(request.path, rid, out_words, len(words), returned))
+        return await self._stream(request, rid, out_words, len(words), body)
+
+    @staticmethod
+    def _answer(path: str, rid: str, out_words: Sequence[str], prompt_tokens: int,
+                kv_params: Mapping[str, Any] | None) -> dict[str, Any]:
+        text = " ".join(out_words)
+        chat = path.endswith("/chat/completions")
+        choice: dict[str, Any] = {"index": 0, "finish_reason": "length"}
+        if chat:
+            choice["message"] = {"role": "assistant", "content": text}
+        else:
+            choice["text"] = text
+        return {"id": f"{'chatcmpl' if chat else 'cmpl'}-{rid}",
+                "object": "chat.completion" if chat else "text_completion",
+                "created": int(time.time()), "model": STANDIN_MODEL, "choices": [choice],
+                "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": len(out_words),
+                          "total_tokens": prompt_tokens + len(out_words)},
+                "kv_transfer_params": dict(kv_params) if kv_params is not None else None}
+
+    async def _stream(self, request: web.Request, rid: str, out_words: Sequence[str],
+                      prompt_tokens: int, body: Mapping[str, Any]) -> web.StreamResponse:
+        # Like vLLM: no kv_transfer_params in the stream.
+        chat = request.path.endswith("/chat/completions")
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+
+        async def send(event: Mapping[str, Any]) -> None:
+            await resp.write(b"data: " + json.dumps(event).encode() + b"\n\n")
+
+        base = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{rid}", "model": STANDIN_MODEL,
+                "object": "chat.completion.chunk" if chat else "text_completion",
+                "created": int(time.time())}
+        if chat:
+            await send({**base, "choices": [{"index": 0, "delta": {"role": "assistant",
+                                                                   "content": ""}}]})
+        for i, word in enumerate(out_words):
+            text = word if i == 0 else " " + word
+            choice = ({"index": 0, "delta": {"content": text}} if chat
+                      else {"index": 0, "text": text})
+            await send({**base, "choices": [choice]})
+        opts = body.get("stream_options") or {}
+        if isinstance(opts, dict) and opts.get("include_usage"):
+            await send({**base, "choices": [], "usage": {
+                "prompt_tokens": prompt_tokens, "completion_tokens": len(out_words),
+                "total_tokens": prompt_tokens + len(out_words)}})
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
+
+
+class StandInVllmCluster:
+    """Prefill and decode stand-ins on loopback, served from one background event-loop thread.
+
+    Use as a context manager; ``prefill`` / ``decode`` list the servers, and :meth:`router_config`
+    gives a router configuration in front of them.
+    """
+
+    def __init__(self, n_prefill: int = 1, n_decode: int = 1, *, bidirectional: bool = False,
+                 decoder_ttl_s: float = 480.0) -> None:
+        self.ledger = StandInKvLedger()
+        self.prefill = [StandInVllmServer("prefill", f"standin-prefill-{i}", self.ledger,
+                                          kv_port=15600 + i) for i in range(n_prefill)]
+        self.decode = [StandInVllmServer("decode", f"standin-decode-{i}", self.ledger,
+                                         kv_port=15700 + i, bidirectional=bidirectional,
+                                         decoder_ttl_s=decoder_ttl_s) for i in range(n_decode)]
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+
+    def __enter__(self) -> StandInVllmCluster:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def start(self) -> None:
+        ready = threading.Event()
+
+        def run() -> None:
+            self._loop = asyncio.new_event_loop()
+            asyncio.set_event_loop(self._loop)
+            ready.set()
+            self._loop.run_forever()
+
+        self._thread = threading.Thread(target=run, name="standin-vllm", daemon=True)
+        self._thread.start()
+        ready.wait(30)
+        for server in (*self.prefill, *self.decode):
+            self.call(server.start())
+
+    def call(self, coro: Coroutine[Any, Any, T], timeout_s: float = 60.0) -> T:
+        """Run a coroutine on the cluster's loop and return its result."""
+        assert self._loop is not None
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout_s)
+
+    def stop(self) -> None:
+        if self._loop is None:
+            return
+        for server in (*self.prefill, *self.decode):
+            self.call(server.stop())
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        if self._thread is not None:
+            self._thread.join(30)
+        self._loop.close()
+        self._loop = None
+
+    def router_config(self, mode: str = "pull", **overrides: Any) -> Any:
+        """A :class:`~kvtune.router.config.RouterConfig` in front of these stand-ins."""
+        from kvtune.router.config import RouterConfig
+        from kvtune.spans import Mode
+        overrides.setdefault("port", 0)
+        return RouterConfig(prefill=tuple(s.instance() for s in self.prefill),
+                            decode=tuple(s.instance() for s in self.decode), mode=Mode(mode),
+                            **overrides)
+
+    def requests(self, role: str | None = None) -> list[ReceivedRequest]:
+        """All requests received (by role), in arrival order per server."""
+        servers = (self.prefill if role == "prefill" else self.decode if role == "decode"
+                   else [*self.prefill, *self.decode])
+        return [r for s in servers for r in list(s.received)]

@@ -1,0 +1,106 @@
+"""The router's telemetry: set-up through ``kvtune.telemetry`` when present, W3C trace context out.
+
+Telemetry never breaks routing: a failing set-up is logged and the router runs with whatever tracer
+the OpenTelemetry API gives.
+"""
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping, MutableMapping
+from typing import Any
+
+from opentelemetry import trace
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+from kvtune.spans import Role
+
+_logger = logging.getLogger(__name__)
+TRACER_NAME = "kvtune.router"
+TRACEPARENT_HEADER = "traceparent"
+"""The W3C Trace Context header (``traceparent``), set on both legs."""
+_PROPAGATOR = TraceContextTextMapPropagator()
+
+
+def setup_telemetry(options: Mapping[str, Any] | None = None) -> Callable[[], None]:
+    """Configure tracing for a router process; returns a flush-and-shutdown callable.
+
+    Uses ``kvtune.telemetry.setup(Role.ROUTER, **options)``. Where that module is absent, falls
+    back to an SDK ``TracerProvider`` without exporters, so trace ids still exist and the
+    ``traceparent`` still joins the legs' spans into one trace (the router's own spans are then
+    not exported; a warning says so).
+    """
+    options = dict(options or {})
+    try:
+        from kvtune import telemetry  # built by another package; optional here
+    except ImportError:
+        telemetry = None
+    if telemetry is not None:
+        try:
+            result = telemetry.setup(Role.ROUTER, **options)
+            shutdown = getattr(result, "shutdown", None)
+            if callable(shutdown):
+                return _safe(shutdown)
+            return _safe(_provider_shutdown)
+        except Exception:
+            _logger.warning("kvtune.telemetry.setup failed; router spans are not exported",
+                            exc_info=True)
+    try:
+        from opentelemetry.sdk.resources import Resource
+        from opentelemetry.sdk.trace import TracerProvider
+
+        from kvtune.spans import SERVICE_NAME, service_name
+        if not isinstance(trace.get_tracer_provider(), TracerProvider):
+            trace.set_tracer_provider(
+                TracerProvider(resource=Resource.create({SERVICE_NAME: service_name(Role.ROUTER)})))
+            _logger.warning("kvtune.telemetry unavailable: router spans are made (trace context is "
+                            "propagated) but not exported")
+    except Exception:
+        _logger.warning("OpenTelemetry SDK set-up failed; tracing is off", exc_info=True)
+    return _safe(_provider_shutdown)
+
+
+def _provider_shutdown() -> None:
+    provider = trace.get_tracer_provider()
+    for name in ("force_flush", "shutdown"):
+        fn = getattr(provider, name, None)
+        if callable(fn):
+            fn()
+
+
+def _safe(fn: Callable[[], Any]) -> Callable[[], None]:
+    def run() -> None:
+        try:
+            fn()
+        except Exception:
+            _logger.warning("telemetry shutdown failed", exc_info=True)
+    return run
+
+
+def current_traceparent() -> str | None:
+    """The W3C ``traceparent`` of the current span, or None when there is no valid span."""
+    carrier: dict[str, str] = {}
+    try:
+        _PROPAGATOR.inject(carrier)
+    except Exception:
+        _logger.warning("traceparent injection failed", exc_info=True)
+        return None
+    return carrier.get(TRACEPARENT_HEADER)
+
+
+def client_span_context(headers: Mapping[str, str]) -> trace.SpanContext | None:
+    """The span context a client sent in its ``traceparent`` header, if valid (used as a link)."""
+    try:
+        ctx = _PROPAGATOR.extract(dict(headers))
+        sc = trace.get_current_span(ctx).get_span_context()
+        return sc if sc.is_valid else None
+    except Exception:
+        return None
+
+
+def set_attributes(span: trace.Span, attributes: MutableMapping[str, Any]) -> None:
+    """Set the non-None attributes on a recording span; never raises."""
+    try:
+        if span.is_recording():
+            span.set_attributes({k: v for k, v in attributes.items() if v is not None})
+    except Exception:
+        _logger.warning("setting span attributes failed", exc_info=True)
