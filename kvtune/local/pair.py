@@ -1,0 +1,483 @@
+"""A real vLLM prefill/decode pair on this machine (CPU), in pull, push or bidirectional mode.
+
+``LocalPair`` starts two ``python -m vllm.entrypoints.openai.api_server`` processes on 127.0.0.1
+(prefill and decode), each on its own core with a small KV cache, connected by NIXL (UCX) through
+either kvtune's instrumented connectors or vLLM's own, and drives the P/D flow of each mode the way
+a router would (see ``/work/shared/CPU-VLLM.md`` for what was tried on these machines):
+
+- pull: prefill with ``max_tokens=1`` and ``{"do_remote_decode": true}``; then the decode with the
+  ``kv_transfer_params`` the prefill returned (the decode READs the prompt's KV).
+- push: both legs at once with one shared ``X-Request-Id``; the decode names the prefill up front
+  (engine id, side-channel port, ``remote_request_id``) and the prefill WRITEs into its blocks.
+- bidirectional: pull, plus the decode's returned ``kv_transfer_params`` (its retained blocks)
+  stored per conversation and sent with that conversation's next prefill, which pulls the history
+  back from the decode instead of recomputing it (subject to ``kv_recompute_threshold``).
+
+``SingleServer`` is one plain vLLM server (no connector) for reference outputs.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+import tempfile
+import threading
+import uuid
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Final
+
+from kvtune.local import client, server
+from kvtune.local.errors import LocalPairError
+from kvtune.local.metrics import PromptTokenSources, prompt_token_sources
+from kvtune.local.server import HOST, SERVED_MODEL_NAME, VllmServer, free_ports, logs_report
+from kvtune.local.tiny_model import make_tiny_model
+from kvtune.spans import KV_PARAMS_TRACEPARENT
+
+MODES: Final = ("pull", "push", "bidirectional")
+CONNECTORS: Final = ("kvtune", "vllm")
+CONNECTOR_CLASSES: Final = {
+    ("kvtune", "pull"): "KvtuneNixlPullConnector",
+    ("kvtune", "bidirectional"): "KvtuneNixlPullConnector",
+    ("kvtune", "push"): "KvtuneNixlPushConnector",
+    ("vllm", "pull"): "NixlConnector",
+    ("vllm", "bidirectional"): "NixlConnector",
+    ("vllm", "push"): "NixlPushConnector",
+}
+KVTUNE_CONNECTOR_MODULE: Final = "kvtune.connectors"
+SPANS_DIR_ENV: Final = "KVTUNE_SPANS_DIR"
+"""Environment variable that tells kvtune's connectors where to write OTLP-JSON span lines."""
+KV_LEASE_DURATION_S: Final = 120
+"""Prefill-side lease on blocks awaiting a READ; generous because transfers stall for seconds on a
+loaded 2-core machine (a 30 s lease expired before the decode read in early trials)."""
+REQUEST_TIMEOUT_S: Final = 300.0
+"""Per-leg HTTP timeout: single requests have stalled for up to a minute here."""
+DEFAULT_PREFILL_ENGINE_ID: Final = "kvtune-local-prefill"
+DEFAULT_DECODE_ENGINE_ID: Final = "kvtune-local-decode"
+WARMUP_PROMPT: Final = (11, 12, 13, 14, 15, 16, 17, 18)
+
+
+def default_model_dir() -> Path:
+    """Where the default tiny model is cached: ``$KVTUNE_TINY_MODEL_DIR`` or the temp directory."""
+    env = os.environ.get("KVTUNE_TINY_MODEL_DIR")
+    if env:
+        return Path(env)
+    return Path(tempfile.gettempdir()) / "kvtune-tiny-model" / "qwen3-seed0"
+
+
+@dataclass(frozen=True)
+class PairResult:
+    """One completion through the pair (or a single server), timings in milliseconds."""
+
+    text: str
+    token_ids: tuple[int, ...]
+    request_id: str
+    """The shared ``X-Request-Id`` of both legs (vLLM makes ``cmpl-<id>-0-<suffix>`` of it)."""
+    prefill_ms: float | None
+    """Prefill leg, sent -> response (None for a single server)."""
+    decode_ms: float
+    """Decode leg (or the single server's request), sent -> last token."""
+    ttft_ms: float | None
+    """Request start -> first generated token seen by the client (None when not streamed:
+    the bidirectional decode leg must be non-streaming to return its ``kv_transfer_params``)."""
+    kv_transfer_params: dict[str, Any] | None = None
+    """What the prefill returned and the decode was given (pull, bidirectional); in push mode,
+    what the decode was given."""
+    decode_kv_transfer_params: dict[str, Any] | None = None
+    """What the decode returned (bidirectional: its retained blocks, for the next turn)."""
+    prompt_token_ids: tuple[int, ...] = field(default=())
+
+
+def _prompt_field(prompt: Sequence[int] | str) -> list[int] | str:
+    if isinstance(prompt, str):
+        if not prompt:
+            raise LocalPairError("complete: prompt expected a non-empty string or token ids")
+        return prompt
+    ids = list(prompt)
+    if not ids or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
+        raise LocalPairError("complete: prompt expected a non-empty sequence of non-negative "
+                             "int token ids or a string")
+    return ids
+
+
+def _check_max_tokens(max_tokens: int) -> None:
+    if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
+        raise LocalPairError(f"complete: max_tokens expected an int >= 1, got {max_tokens!r}")
+
+
+def _body(prompt: list[int] | str, max_tokens: int, *, ignore_eos: bool, stream: bool,
+          kv_transfer_params: Mapping[str, Any] | None) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "model": SERVED_MODEL_NAME, "prompt": prompt, "max_tokens": max_tokens,
+        "temperature": 0.0, "seed": server.SEED, "ignore_eos": ignore_eos,
+        "return_token_ids": True, "stream": stream,
+    }
+    if kv_transfer_params is not None:
+        body["kv_transfer_params"] = dict(kv_transfer_params)
+    return body
+
+
+def _headers(request_id: str, traceparent: str | None) -> dict[str, str]:
+    headers = {"X-Request-Id": request_id}
+    if traceparent:
+        headers["traceparent"] = traceparent
+    return headers
+
+
+def _with_traceparent(params: Mapping[str, Any], traceparent: str | None) -> dict[str, Any]:
+    out = dict(params)
+    if traceparent:
+        out[KV_PARAMS_TRACEPARENT] = traceparent
+    return out
+
+
+class _Servers:
+    """Shared start/stop/logs of a set of servers."""
+
+    _servers: list[VllmServer]
+
+    def _start_servers(self) -> None:
+        try:
+            for s in self._servers:
+                s.start()
+            server.wait_healthy(self._servers)
+        except BaseException:
+            self.stop()
+            raise
+
+    def stop(self) -> None:
+        """Stop every server (terminate, then kill); idempotent."""
+        for s in self._servers:
+            s.stop()
+
+    def logs(self, n: int = server.LOG_TAIL_LINES) -> str:
+        """The last ``n`` lines of every server's log."""
+        return logs_report(self._servers, n)
+
+    def _call(self, srv: VllmServer, leg: str, body: Mapping[str, Any],
+              headers: Mapping[str, str]) -> client.CompletionResponse:
+        try:
+            return client.complete(srv.url, body, headers=headers, timeout_s=REQUEST_TIMEOUT_S)
+        except client.HttpError as exc:
+            exited = srv.exited()
+            state = f" (server exited with code {exited})" if exited is not None else ""
+            raise LocalPairError(f"{leg} leg to {srv.name} ({srv.url}){state}: expected HTTP 200 "
+                                 f"with a completion; {exc}\n{self.logs()}") from exc
+
+
+class LocalPair(_Servers):
+    """A prefill and a decode vLLM server on 127.0.0.1, and the P/D flow of ``mode``.
+
+    Use as a context manager: entering starts both servers (waits for ``/health``, sends a
+    warm-up request to each, then one P/D warm-up so the NIXL handshake is done); leaving stops
+    them, always. Server logs are in ``workdir/prefill/vllm.log`` and ``workdir/decode/vllm.log``.
+    """
+
+    def __init__(self, mode: str, *, connector: str = "kvtune", workdir: str | os.PathLike[str],
+                 spans_dir: str | os.PathLike[str] | None = None,
+                 model_dir: str | os.PathLike[str] | None = None,
+                 extra_env: Mapping[str, str] | None = None,
+                 kv_extra_config: Mapping[str, Any] | None = None,
+                 ttl_s: float | None = None, recompute_threshold: int | None = None,
+                 prefill_engine_id: str = DEFAULT_PREFILL_ENGINE_ID,
+                 decode_engine_id: str = DEFAULT_DECODE_ENGINE_ID,
+                 cpu_cores: tuple[int, int] = (0, 1), warmup_transfer: bool = True) -> None:
+        if mode not in MODES:
+            raise LocalPairError(f"LocalPair: mode expected one of {MODES}, got {mode!r}")
+        if connector not in CONNECTORS:
+            raise LocalPairError(f"LocalPair: connector expected one of {CONNECTORS}, "
+                                 f"got {connector!r}")
+        if ttl_s is not None and not ttl_s > 0:
+            raise LocalPairError(f"LocalPair: ttl_s expected a positive number, got {ttl_s!r}")
+        if recompute_threshold is not None and (
+                not isinstance(recompute_threshold, int) or recompute_threshold < 0):
+            raise LocalPairError(f"LocalPair: recompute_threshold expected an int >= 0, "
+                                 f"got {recompute_threshold!r}")
+        if mode == "push" and (ttl_s is not None or recompute_threshold is not None):
+            raise LocalPairError("LocalPair: ttl_s and recompute_threshold apply to mode "
+                                 "'bidirectional' (vLLM's push connector refuses bidirectional)")
+        if prefill_engine_id == decode_engine_id:
+            raise LocalPairError("LocalPair: prefill_engine_id and decode_engine_id must differ")
+        self.mode = mode
+        self.connector = connector
+        self.workdir = Path(workdir)
+        self.spans_dir = Path(spans_dir) if spans_dir is not None else None
+        self.model_dir = Path(model_dir) if model_dir is not None else None
+        self.extra_env = dict(extra_env or {})
+        self.kv_extra_config = dict(kv_extra_config or {})
+        self.ttl_s = ttl_s
+        self.recompute_threshold = recompute_threshold
+        self.prefill_engine_id = prefill_engine_id
+        self.decode_engine_id = decode_engine_id
+        self.cpu_cores = cpu_cores
+        self.warmup_transfer = warmup_transfer
+        self._conversations: dict[str, dict[str, Any]] = {}
+        self._lock = threading.Lock()
+        self._servers = []
+        self.prefill: VllmServer | None = None
+        self.decode: VllmServer | None = None
+
+    # --- configuration -------------------------------------------------------------------------
+    def kv_transfer_config(self, role: str) -> dict[str, Any]:
+        """The ``--kv-transfer-config`` of the prefill (``role="prefill"``) or decode server."""
+        extra: dict[str, Any] = {"kv_lease_duration": KV_LEASE_DURATION_S}
+        if self.mode == "bidirectional":
+            extra["bidirectional_kv_xfer"] = True
+        if self.ttl_s is not None:
+            extra["decoder_kv_blocks_ttl"] = self.ttl_s
+        if self.recompute_threshold is not None:
+            extra["kv_recompute_threshold"] = self.recompute_threshold
+        extra.update(self.kv_extra_config)
+        cfg: dict[str, Any] = {
+            "kv_connector": CONNECTOR_CLASSES[(self.connector, self.mode)],
+            "kv_role": "kv_producer" if role == "prefill" else "kv_consumer",
+            "kv_buffer_device": "cpu",
+            "engine_id": self.prefill_engine_id if role == "prefill" else self.decode_engine_id,
+            "kv_connector_extra_config": extra,
+        }
+        if self.connector == "kvtune":
+            cfg["kv_connector_module_path"] = KVTUNE_CONNECTOR_MODULE
+        return cfg
+
+    @property
+    def prefill_url(self) -> str:
+        return self._require("prefill").url
+
+    @property
+    def decode_url(self) -> str:
+        return self._require("decode").url
+
+    @property
+    def prefill_side_channel_port(self) -> int:
+        port = self._require("prefill").side_channel_port
+        assert port is not None
+        return port
+
+    @property
+    def decode_side_channel_port(self) -> int:
+        port = self._require("decode").side_channel_port
+        assert port is not None
+        return port
+
+    def _require(self, name: str) -> VllmServer:
+        srv = self.prefill if name == "prefill" else self.decode
+        if srv is None or srv.proc is None:
+            raise LocalPairError(f"LocalPair: {name} server not running (use 'with LocalPair(...)')")
+        return srv
+
+    # --- lifecycle -----------------------------------------------------------------------------
+    def start(self) -> LocalPair:
+        if self.connector == "kvtune" and importlib.util.find_spec(KVTUNE_CONNECTOR_MODULE) is None:
+            raise LocalPairError(f"LocalPair: connector='kvtune' needs {KVTUNE_CONNECTOR_MODULE}, "
+                                 "which is not importable here; use connector='vllm'")
+        model_dir = self.model_dir or make_tiny_model(default_model_dir())
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        env = {**self.extra_env}
+        if self.spans_dir is not None:
+            self.spans_dir.mkdir(parents=True, exist_ok=True)
+            env[SPANS_DIR_ENV] = str(self.spans_dir.resolve())
+        p_port, d_port, p_side, d_side = free_ports(4)
+        self.prefill = VllmServer(
+            "prefill", model_dir=model_dir, workdir=self.workdir, port=p_port,
+            cpu_core=self.cpu_cores[0], kv_transfer_config=self.kv_transfer_config("prefill"),
+            env=env, side_channel_port=p_side)
+        self.decode = VllmServer(
+            "decode", model_dir=model_dir, workdir=self.workdir, port=d_port,
+            cpu_core=self.cpu_cores[1], kv_transfer_config=self.kv_transfer_config("decode"),
+            env=env, side_channel_port=d_side)
+        self._servers = [self.prefill, self.decode]
+        self._start_servers()
+        try:
+            for srv in self._servers:  # plain warm-up: no KV transfer
+                self._call(srv, "warm-up", _body(list(WARMUP_PROMPT), 2, ignore_eos=True,
+                                                 stream=False, kv_transfer_params=None),
+                           {"X-Request-Id": f"kvtune-warmup-{srv.name}-{uuid.uuid4().hex[:8]}"})
+            if self.warmup_transfer:  # one P/D request: NIXL handshake done before the caller's
+                self.complete(list(WARMUP_PROMPT) * 3, 2,
+                              request_id=f"kvtune-warmup-pd-{uuid.uuid4().hex[:8]}")
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __enter__(self) -> LocalPair:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    # --- requests ------------------------------------------------------------------------------
+    def complete(self, prompt: Sequence[int] | str, max_tokens: int, *,
+                 request_id: str | None = None, conversation: str | None = None,
+                 traceparent: str | None = None, ignore_eos: bool = True) -> PairResult:
+        """One completion through the P/D flow of this pair's mode (temperature 0, fixed seed).
+
+        ``conversation`` (bidirectional only) links turns: the decode's retained blocks from the
+        previous turn of that conversation are offered to this turn's prefill. ``traceparent``
+        (W3C) goes on both legs as a header and inside ``kv_transfer_params``.
+        """
+        prompt_field = _prompt_field(prompt)
+        _check_max_tokens(max_tokens)
+        if conversation is not None and self.mode != "bidirectional":
+            raise LocalPairError(f"complete: conversation applies to mode 'bidirectional', "
+                                 f"this pair is {self.mode!r}")
+        rid = request_id or f"kvtune-{uuid.uuid4().hex[:16]}"
+        if self.mode == "push":
+            return self._complete_push(prompt_field, max_tokens, rid, traceparent, ignore_eos)
+        return self._complete_pull(prompt_field, max_tokens, rid, conversation, traceparent,
+                                   ignore_eos)
+
+    def _complete_pull(self, prompt: list[int] | str, max_tokens: int, rid: str,
+                       conversation: str | None, traceparent: str | None,
+                       ignore_eos: bool) -> PairResult:
+        prefill, decode = self._require("prefill"), self._require("decode")
+        headers = _headers(rid, traceparent)
+        p_params: dict[str, Any] = {"do_remote_decode": True}
+        if conversation is not None:
+            with self._lock:
+                history = self._conversations.get(conversation)
+            if history is not None:
+                p_params = dict(history)  # the decode's retained blocks (do_remote_decode: true)
+        p = self._call(prefill, "prefill", _body(
+            prompt, 1, ignore_eos=ignore_eos, stream=False,
+            kv_transfer_params=_with_traceparent(p_params, traceparent)), headers)
+        if not p.kv_transfer_params:
+            raise LocalPairError(f"prefill leg of {rid}: expected kv_transfer_params in the "
+                                 f"response (is the KV connector loaded?), got {p.body!r}"[:2000]
+                                 + "\n" + self.logs())
+        stream = self.mode != "bidirectional"  # only non-streaming responses carry kv params
+        d = self._call(decode, "decode", _body(
+            prompt, max_tokens, ignore_eos=ignore_eos, stream=stream,
+            kv_transfer_params=_with_traceparent(p.kv_transfer_params, traceparent)), headers)
+        if conversation is not None:
+            with self._lock:
+                if d.kv_transfer_params:
+                    self._conversations[conversation] = dict(d.kv_transfer_params)
+                else:
+                    self._conversations.pop(conversation, None)
+        ttft = p.elapsed_ms + d.first_token_ms if d.first_token_ms is not None else None
+        return PairResult(text=d.text, token_ids=d.token_ids, request_id=rid,
+                          prefill_ms=p.elapsed_ms, decode_ms=d.elapsed_ms, ttft_ms=ttft,
+                          kv_transfer_params=p.kv_transfer_params,
+                          decode_kv_transfer_params=d.kv_transfer_params,
+                          prompt_token_ids=_prompt_ids(p.body))
+
+    def _complete_push(self, prompt: list[int] | str, max_tokens: int, rid: str,
+                       traceparent: str | None, ignore_eos: bool) -> PairResult:
+        prefill, decode = self._require("prefill"), self._require("decode")
+        headers = _headers(rid, traceparent)
+        d_params = {
+            "do_remote_prefill": True, "remote_engine_id": self.prefill_engine_id,
+            "remote_host": HOST, "remote_port": self.prefill_side_channel_port,
+            "tp_size": 1, "pp_size": 1, "remote_request_id": rid,
+        }
+        outcome: dict[str, Any] = {}
+
+        def prefill_leg() -> None:
+            try:
+                outcome["p"] = self._call(prefill, "prefill", _body(
+                    prompt, 1, ignore_eos=ignore_eos, stream=False,
+                    kv_transfer_params=_with_traceparent({"do_remote_decode": True},
+                                                         traceparent)), headers)
+            except BaseException as exc:  # re-raised on the caller's thread
+                outcome["error"] = exc
+
+        t = threading.Thread(target=prefill_leg, name=f"kvtune-push-prefill-{rid}", daemon=True)
+        t.start()
+        try:
+            d = self._call(decode, "decode", _body(
+                prompt, max_tokens, ignore_eos=ignore_eos, stream=True,
+                kv_transfer_params=_with_traceparent(d_params, traceparent)), headers)
+        finally:
+            t.join(REQUEST_TIMEOUT_S + 10)
+        if "error" in outcome:
+            raise outcome["error"]
+        if "p" not in outcome:
+            raise LocalPairError(f"prefill leg of {rid}: no response within "
+                                 f"{REQUEST_TIMEOUT_S:.0f} s\n{self.logs()}")
+        p: client.CompletionResponse = outcome["p"]
+        return PairResult(text=d.text, token_ids=d.token_ids, request_id=rid,
+                          prefill_ms=p.elapsed_ms, decode_ms=d.elapsed_ms,
+                          ttft_ms=d.first_token_ms, kv_transfer_params=d_params,
+                          decode_kv_transfer_params=d.kv_transfer_params,
+                          prompt_token_ids=_prompt_ids(p.body))
+
+    def forget(self, conversation: str) -> None:
+        """Drop what the pair holds for ``conversation`` (its next turn starts fresh)."""
+        with self._lock:
+            self._conversations.pop(conversation, None)
+
+    def conversation_params(self, conversation: str) -> dict[str, Any] | None:
+        """The decode's retained-block params stored for ``conversation`` (bidirectional)."""
+        with self._lock:
+            params = self._conversations.get(conversation)
+        return dict(params) if params is not None else None
+
+    # --- evidence ------------------------------------------------------------------------------
+    def decode_prompt_sources(self) -> PromptTokenSources:
+        """The decode server's cumulative prompt tokens by source (from its ``/metrics``)."""
+        return prompt_token_sources(self.decode_url)
+
+    def prefill_prompt_sources(self) -> PromptTokenSources:
+        """The prefill server's cumulative prompt tokens by source (from its ``/metrics``)."""
+        return prompt_token_sources(self.prefill_url)
+
+
+def _prompt_ids(body: Mapping[str, Any]) -> tuple[int, ...]:
+    try:
+        return tuple(body["choices"][0].get("prompt_token_ids") or ())
+    except (KeyError, IndexError, TypeError, AttributeError):
+        return ()
+
+
+class SingleServer(_Servers):
+    """One plain vLLM server (no KV connector) for reference outputs; a context manager."""
+
+    def __init__(self, *, workdir: str | os.PathLike[str],
+                 model_dir: str | os.PathLike[str] | None = None,
+                 extra_env: Mapping[str, str] | None = None, cpu_core: int = 0,
+                 name: str = "single") -> None:
+        self.workdir = Path(workdir)
+        self.model_dir = Path(model_dir) if model_dir is not None else None
+        self.extra_env = dict(extra_env or {})
+        self.cpu_core = cpu_core
+        self.name = name
+        self._servers = []
+        self.server: VllmServer | None = None
+
+    @property
+    def url(self) -> str:
+        if self.server is None or self.server.proc is None:
+            raise LocalPairError("SingleServer: not running (use 'with SingleServer(...)')")
+        return self.server.url
+
+    def start(self) -> SingleServer:
+        model_dir = self.model_dir or make_tiny_model(default_model_dir())
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        (port,) = free_ports(1)
+        self.server = VllmServer(self.name, model_dir=model_dir, workdir=self.workdir, port=port,
+                                 cpu_core=self.cpu_core, env=self.extra_env)
+        self._servers = [self.server]
+        self._start_servers()
+        return self
+
+    def __enter__(self) -> SingleServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def complete(self, prompt: Sequence[int] | str, max_tokens: int, *,
+                 request_id: str | None = None, ignore_eos: bool = True) -> PairResult:
+        """One streamed completion (temperature 0, fixed seed)."""
+        prompt_field = _prompt_field(prompt)
+        _check_max_tokens(max_tokens)
+        rid = request_id or f"kvtune-{uuid.uuid4().hex[:16]}"
+        assert self.server is not None
+        r = self._call(self.server, "single", _body(prompt_field, max_tokens,
+                                                    ignore_eos=ignore_eos, stream=True,
+                                                    kv_transfer_params=None),
+                       _headers(rid, None))
+        return PairResult(text=r.text, token_ids=r.token_ids, request_id=rid, prefill_ms=None,
+                          decode_ms=r.elapsed_ms, ttft_ms=r.first_token_ms,
+                          prompt_token_ids=_prompt_ids(r.body))
