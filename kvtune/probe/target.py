@@ -1,0 +1,323 @@
+"""The probe's target side: a NIXL agent whose registered DRAM the initiator reads and writes.
+
+``ProbeTarget`` listens on a TCP side channel (127.0.0.1 unless told otherwise) and serves one
+initiator at a time: it exchanges NIXL metadata, allocates and registers a buffer of the size the
+initiator asks for (within ``max_mem_mb``), answers fill/digest requests (to check bytes), and
+records a ``kv.notify`` span for every completion notification it receives.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import queue
+import select
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from kvtune.errors import ProbeError
+from kvtune.probe import tracing
+from kvtune.probe.agent import (DEFAULT_BACKEND, RegisteredBuffer, agent_name, make_agent,
+                                nixl_version)
+from kvtune.probe.channel import PROTOCOL_VERSION, Channel, ChannelClosed
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_PORT = 5599
+"""Default side-channel port of ``kvtune probe serve``."""
+DEFAULT_TARGET_MAX_MEM_MB = 4096
+"""Largest buffer a target allocates for one initiator."""
+POLL_INTERVAL_S = 0.0005
+"""Wait for side-channel input between notification polls (bounds the notify span's lateness)."""
+SESSION_IDLE_TIMEOUT_S = 600.0
+"""A session with no command and no notification for this long is closed (initiator gone)."""
+COMMAND_TIMEOUT_S = 30.0
+"""Time to read the rest of a frame once its first byte arrived."""
+SPAWN_READY_TIMEOUT_S = 60.0
+"""How long to wait for a spawned local target to report its port."""
+
+
+class ProbeTarget:
+    """A probe target bound to ``bind:port`` (port 0 picks a free one; see :attr:`address`)."""
+
+    def __init__(self, bind: str = "127.0.0.1", port: int = DEFAULT_PORT, *,
+                 backend: str = DEFAULT_BACKEND, max_mem_mb: int = DEFAULT_TARGET_MAX_MEM_MB,
+                 fabric: str = "", tracer=None) -> None:
+        self.backend = backend
+        self.max_bytes = int(max_mem_mb) << 20
+        self.fabric = fabric
+        self.tracer = tracer
+        self.name = agent_name("target")
+        try:
+            self.listener = socket.create_server((bind, port), reuse_port=False)
+        except OSError as exc:
+            raise ProbeError(f"probe target: cannot listen on {bind}:{port}: {exc.strerror or exc}") from None
+        self.agent = make_agent(self.name, backend)
+        self.notifs_received = 0
+        self._stop = False
+
+    @property
+    def address(self) -> tuple[str, int]:
+        host, port = self.listener.getsockname()[:2]
+        return host, port
+
+    def stop(self) -> None:
+        """Ask :meth:`serve_forever` to return after the current session."""
+        self._stop = True
+
+    def close(self) -> None:
+        try:
+            self.listener.close()
+        except OSError:
+            pass
+
+    def serve_forever(self, *, max_sessions: int | None = None) -> int:
+        """Serve initiators one at a time until :meth:`stop` or ``max_sessions`` sessions;
+        returns the number served."""
+        served = 0
+        self.listener.settimeout(0.5)
+        try:
+            while not self._stop and (max_sessions is None or served < max_sessions):
+                try:
+                    sock, addr = self.listener.accept()
+                except socket.timeout:
+                    continue
+                peer = f"{addr[0]}:{addr[1]}"
+                ch = Channel(sock, f"initiator {peer}")
+                served += 1
+                try:
+                    self.serve_session(ch)
+                except ProbeError as exc:
+                    logger.warning("kvtune probe target: session with %s ended: %s", peer, exc)
+                finally:
+                    ch.close()
+        finally:
+            self.close()
+        return served
+
+    def serve_session(self, ch: Channel) -> None:
+        """One initiator: hello, then commands and notifications until bye/EOF/idle."""
+        hello = ch.recv(COMMAND_TIMEOUT_S)
+        if hello.msg["type"] != "hello" or hello.msg.get("version") != PROTOCOL_VERSION:
+            ch.send({"type": "error", "message": f"expected hello version {PROTOCOL_VERSION}, "
+                                                 f"got {str(hello.msg)[:200]}"})
+            return
+        nbytes = hello.msg.get("nbytes")
+        if not isinstance(nbytes, int) or not 0 < nbytes <= self.max_bytes:
+            ch.send({"type": "error", "message": f"buffer of {nbytes!r} bytes asked; this target "
+                                                 f"allows 1..{self.max_bytes} (serve --max-mem-mb)"})
+            return
+        try:
+            remote = self.agent.add_remote_agent(hello.blob)
+        except Exception as exc:
+            ch.send({"type": "error", "message": f"cannot load the initiator's NIXL metadata: {exc}"})
+            return
+        remote_name = remote.decode() if isinstance(remote, bytes) else str(remote)
+        buf = RegisteredBuffer.allocate(self.agent, nbytes)
+        info = tracing.SpanContextInfo(self.name, remote_name, self.backend,
+                                       str(hello.msg.get("fabric") or self.fabric))
+        notifs_before = self.notifs_received
+        try:
+            ch.send({"type": "ready", "version": PROTOCOL_VERSION, "agent": self.name,
+                     "addr": buf.addr, "nbytes": buf.nbytes, "nixl_version": nixl_version(),
+                     "host": socket.gethostname()}, self.agent.get_agent_metadata())
+            last_activity = time.monotonic()
+            while True:
+                ready, _, _ = select.select([ch.sock], [], [], POLL_INTERVAL_S)
+                if self._drain_notifs(info):
+                    last_activity = time.monotonic()
+                if ready:
+                    last_activity = time.monotonic()
+                    try:
+                        frame = ch.recv(COMMAND_TIMEOUT_S)
+                    except ChannelClosed:
+                        logger.info("kvtune probe target: initiator %s went away", remote_name)
+                        return
+                    if not self._command(ch, frame.msg, buf, info, notifs_before):
+                        return
+                elif time.monotonic() - last_activity > SESSION_IDLE_TIMEOUT_S:
+                    logger.warning("kvtune probe target: initiator %s idle for %.0f s; closing",
+                                   remote_name, SESSION_IDLE_TIMEOUT_S)
+                    return
+        finally:
+            buf.release()
+            try:
+                self.agent.remove_remote_agent(remote_name)
+            except Exception:
+                logger.debug("remove_remote_agent(%s) failed", remote_name, exc_info=True)
+
+    def _drain_notifs(self, info: tracing.SpanContextInfo) -> int:
+        notifs = self.agent.get_new_notifs()
+        if not notifs:
+            return 0
+        now = time.time_ns()
+        n = 0
+        for msgs in notifs.values():
+            for raw in msgs:
+                n += 1
+                try:
+                    notif = json.loads(raw)
+                except (UnicodeDecodeError, json.JSONDecodeError):
+                    logger.warning("kvtune probe target: ignoring a non-JSON notification %r", raw[:80])
+                    continue
+                if isinstance(notif, dict) and "t" in notif:
+                    tracing.emit_notify(self.tracer, info, notif, now)
+        self.notifs_received += n
+        return n
+
+    def _command(self, ch: Channel, msg: dict, buf: RegisteredBuffer, info: tracing.SpanContextInfo,
+                 notifs_before: int) -> bool:
+        kind = msg["type"]
+        if kind == "bye":
+            ch.send({"type": "bye"})
+            return False
+        try:
+            if kind == "ping":
+                ch.send({"type": "pong"})
+            elif kind in ("fill", "digest"):
+                ranges = _ranges(msg.get("ranges"), buf.nbytes)
+                if kind == "fill":
+                    buf.fill(int(msg.get("seed", 0)), ranges)
+                    ch.send({"type": "ok"})
+                else:
+                    ch.send({"type": "digest", "sha256": buf.digest(ranges)})
+            elif kind == "stats":
+                # Wait (bounded) until the notifications the initiator expects have arrived.
+                expect = int(msg.get("expect", 0))
+                deadline = time.monotonic() + float(msg.get("timeout_s", 5.0))
+                while self.notifs_received - notifs_before < expect and time.monotonic() < deadline:
+                    self._drain_notifs(info)
+                    time.sleep(POLL_INTERVAL_S)
+                ch.send({"type": "stats", "notifs": self.notifs_received - notifs_before})
+            else:
+                ch.send({"type": "error", "message": f"unknown command {kind!r}"})
+        except ProbeError as exc:
+            ch.send({"type": "error", "message": str(exc)})
+        return True
+
+
+def _ranges(raw: object, nbytes: int) -> np.ndarray:
+    arr = np.asarray(raw if raw is not None else [], dtype=np.int64).reshape(-1, 2)
+    if len(arr) and ((arr < 0).any() or (arr[:, 0] + arr[:, 1] > nbytes).any()):
+        raise ProbeError(f"ranges: expected (offset, length) pairs inside the {nbytes}-byte buffer")
+    return arr
+
+
+# --- a target in a child process (the default: both sides on this host) -------------------------
+# A subprocess running ``python -m kvtune.probe serve`` rather than a multiprocessing child: it
+# works from notebooks and from scripts without a ``__main__`` guard, and it is exactly what a user
+# runs on a remote host.
+
+READY_PREFIX = "kvtune probe serve: listening on "
+"""First line ``serve`` prints on stdout once it accepts connections: ``... HOST:PORT``."""
+
+
+@dataclass
+class LocalTarget:
+    """A target serving one session in a child process on this host."""
+
+    process: subprocess.Popen
+    host: str
+    port: int
+
+    @property
+    def peer(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """Wait for the child to finish its session, then terminate (and kill) it if needed."""
+        try:
+            self.process.wait(timeout_s)
+            return
+        except subprocess.TimeoutExpired:
+            pass
+        self.process.terminate()
+        try:
+            self.process.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait(timeout_s)
+
+
+def spawn_local_target(*, backend: str = DEFAULT_BACKEND, max_mem_mb: int = DEFAULT_TARGET_MAX_MEM_MB,
+                       fabric: str = "", spans_path: str | Path | None = None,
+                       bind: str = "127.0.0.1", env: dict[str, str] | None = None) -> LocalTarget:
+    """Start ``python -m kvtune.probe serve --port 0 --max-sessions 1`` (it inherits
+    ``os.environ``, so ``UCX_*`` settings apply to both sides) and wait until it listens."""
+    cmd = [sys.executable, "-m", "kvtune.probe", "serve", "--bind", bind, "--port", "0",
+           "--backend", backend, "--max-mem-mb", str(max_mem_mb), "--max-sessions", "1"]
+    if fabric:
+        cmd += ["--fabric", fabric]
+    if spans_path:
+        cmd += ["--spans-file", str(spans_path)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True,
+                            env={**os.environ, **(env or {})})
+    lines: queue.Queue[str | None] = queue.Queue()
+
+    def pump() -> None:  # keep reading so the child never blocks on a full pipe
+        assert proc.stdout is not None
+        ready = False
+        for line in proc.stdout:
+            if ready:  # the child's later output (e.g. UCX logs) goes on to our stderr
+                sys.stderr.write(line)
+                continue
+            ready = line.startswith(READY_PREFIX)
+            lines.put(line)
+        lines.put(None)
+
+    threading.Thread(target=pump, name="kvtune-probe-target-stdout", daemon=True).start()
+    deadline = time.monotonic() + SPAWN_READY_TIMEOUT_S
+    while True:
+        try:
+            line = lines.get(timeout=max(0.0, deadline - time.monotonic()))
+        except queue.Empty:
+            proc.kill()
+            raise ProbeError(f"local probe target did not start within {SPAWN_READY_TIMEOUT_S:g} s") from None
+        if line is None:
+            proc.wait(10)
+            raise ProbeError(f"local probe target exited during start-up (exit code "
+                             f"{proc.returncode}); see its log above")
+        if line.startswith(READY_PREFIX):
+            host, _, port = line[len(READY_PREFIX):].strip().rpartition(":")
+            return LocalTarget(proc, host, int(port))
+
+
+def serve(bind: str = "127.0.0.1", port: int = DEFAULT_PORT, *, backend: str = DEFAULT_BACKEND,
+          max_mem_mb: int = DEFAULT_TARGET_MAX_MEM_MB, fabric: str = "",
+          spans_file: str | Path | None = None, max_sessions: int | None = None,
+          announce=None) -> int:
+    """Run a probe target until interrupted (or ``max_sessions`` sessions); ``announce`` gets the
+    ``READY_PREFIX HOST:PORT`` line once it listens. Spans go to ``spans_file`` (a JSON-lines file
+    or a directory) when given. Returns the number of sessions served."""
+    tel = None
+    tracer = None
+    if spans_file is not None:
+        try:
+            from kvtune import telemetry
+            tel = telemetry.setup("probe", json_path=spans_file)
+            tracer = tel.tracer
+        except Exception:  # telemetry never stops the probe
+            logger.warning("kvtune probe target: span output unavailable", exc_info=True)
+    target = ProbeTarget(bind, port, backend=backend, max_mem_mb=max_mem_mb, fabric=fabric,
+                         tracer=tracer)
+    host, bound_port = target.address
+    (announce or _announce)(f"{READY_PREFIX}{host}:{bound_port}")
+    try:
+        return target.serve_forever(max_sessions=max_sessions)
+    finally:
+        if tel is not None:
+            tel.shutdown()
+
+
+def _announce(line: str) -> None:
+    print(line, flush=True)
