@@ -38,6 +38,7 @@ from kvtune.dashboards.traceql import (
     Attribute, BoolOp, Comparison, Field, FieldExpr, Intrinsic, MetricsAggregate, Not, Query,
     Select, SpansetFilter, SpansetOp, Static, Truthy, parse,
 )
+from kvtune import spans
 from kvtune.errors import ConfigError
 
 SEARCH_COLUMNS: tuple[str, ...] = ("trace_id", "span_id", "name", "service", "start_ns", "duration_ms")
@@ -83,7 +84,7 @@ def evaluate(query: Query | str, spans: pd.DataFrame, *,
         return _metrics(metrics, matched, frame, step_s)
     out = matched.loc[:, list(SEARCH_COLUMNS)].copy()
     for f in selected:
-        out[_label(f)] = _values(f, matched)
+        out[_label(f)] = _typed(f, _values(f, matched))
     return out.reset_index(drop=True)
 
 
@@ -221,6 +222,21 @@ def _kind(v: object) -> str | None:
     s = str(v).lower().removeprefix("span_kind_")
     return {"0": "unspecified", "1": "internal", "2": "server", "3": "client", "4": "producer",
             "5": "consumer"}.get(s, s)
+
+
+_NULLABLE = {int: "Int64", float: "Float64", str: "string", bool: "boolean"}
+
+
+def _typed(f: Field, values: list[object]) -> pd.api.extensions.ExtensionArray | list[object]:
+    """A selected field's values: the convention's nullable dtype for its attributes, seconds for
+    ``duration``, plain objects otherwise."""
+    if isinstance(f, Attribute) and f.name in spans.ATTRIBUTE_TYPES:
+        typ = spans.ATTRIBUTE_TYPES[f.name]
+        if all(v is None or (isinstance(v, typ) and not (typ is int and isinstance(v, bool))) for v in values):
+            return pd.array([pd.NA if v is None else v for v in values], dtype=_NULLABLE[typ])
+    if isinstance(f, Intrinsic) and f.name == "duration":
+        return pd.array(values, dtype="Float64")
+    return values
 
 
 def _label(f: Field) -> str:
