@@ -3,6 +3,9 @@ the workload's shape. Pure functions in, new DataFrames or frozen results out.""
 from __future__ import annotations
 
 from kvtune.analysis.fit import FloorFit, fit_floor, fit_floor_points
+from kvtune.analysis.prefill import PrefillCost, prefill_cost
 from kvtune.analysis.transfers import TRANSFER_COLUMNS, empty_transfers, transfers
+from kvtune.analysis.workload import Workload, workload
 
-__all__ = ["FloorFit", "TRANSFER_COLUMNS", "empty_transfers", "fit_floor", "fit_floor_points", "transfers"]
+__all__ = ["FloorFit", "PrefillCost", "TRANSFER_COLUMNS", "Workload", "empty_transfers",
+           "fit_floor", "fit_floor_points", "prefill_cost", "transfers", "workload"]

@@ -21,23 +21,23 @@ import numpy as np
 import pandas as pd
 
 from kvtune import spans as sc
+from kvtune.analysis.prefill import VLLM_PREFILL_TIME_S, VLLM_PROMPT_TOKENS, VLLM_REQUEST_SPAN
 
-try:  # the loader's own column list when it exists (built in parallel); identical by contract
-    from kvtune.traces import SPAN_COLUMNS as _LOADER_SPAN_COLUMNS  # type: ignore[attr-defined]
-except Exception:  # noqa: BLE001 - any failure: fall back to the contract's list
-    _LOADER_SPAN_COLUMNS = None
+_CONTRACT_DTYPES: dict[str, str] = {
+    "trace_id": "str", "span_id": "str", "parent_span_id": "string", "name": "str",
+    "service": "str", "host": "str", "start_ns": "int64", "end_ns": "int64",
+    "duration_ms": "float64", "status": "str", "status_message": "str",
+    "attrs": "object", "resource": "object",
+}
+try:  # the loader's own column contract (built in parallel); identical by docs/contracts.md
+    from kvtune.traces.columns import SPAN_COLUMNS as _COLS, SPAN_DTYPES as _DTYPES
+except Exception:  # noqa: BLE001 - loader missing or broken: fall back to the contract's lists
+    _COLS, _DTYPES = tuple(_CONTRACT_DTYPES), _CONTRACT_DTYPES
 
-SPAN_COLUMNS: tuple[str, ...] = tuple(_LOADER_SPAN_COLUMNS or (
-    "trace_id", "span_id", "parent_span_id", "name", "service", "host", "start_ns", "end_ns",
-    "duration_ms", "status", "status_message", "attrs", "resource"))
+SPAN_COLUMNS: tuple[str, ...] = tuple(_COLS)
 """Leading columns of a spans frame (docs/contracts.md), before one column per attribute."""
-
-VLLM_REQUEST_SPAN = "llm_request"
-"""Span name vLLM's own OpenTelemetry tracing uses per request (not a kvtune name)."""
-VLLM_PREFILL_TIME_S = "gen_ai.latency.time_in_model_prefill"
-"""vLLM's attribute: seconds spent in model prefill."""
-VLLM_PROMPT_TOKENS = "gen_ai.usage.prompt_tokens"
-"""vLLM's attribute: prompt length in tokens."""
+SPAN_DTYPES: dict[str, str] = dict(_DTYPES)
+"""Their dtypes, as the loader makes them."""
 
 _DTYPE_OF = {int: "Int64", float: "Float64", str: "string", bool: "boolean"}
 T0_NS = 1_767_225_600_000_000_000  # 2026-01-01T00:00:00Z: a fixed epoch for reproducible frames
@@ -67,16 +67,10 @@ def spans_frame(records: Iterable[dict]) -> pd.DataFrame:
             "resource": dict(r.get("resource", {sc.SERVICE_NAME: r.get("service", "kvtune-sim"),
                                                 sc.HOST_NAME: host})),
         })
-    base = {
-        "trace_id": "string", "span_id": "string", "parent_span_id": "string", "name": "string",
-        "service": "string", "host": "string", "start_ns": "int64", "end_ns": "int64",
-        "duration_ms": "float64", "status": "string", "status_message": "string",
-        "attrs": "object", "resource": "object",
-    }
     data: dict[str, pd.Series] = {}
     for c in SPAN_COLUMNS:
         vals = [row[c] for row in rows]
-        data[c] = pd.Series(vals, dtype=base.get(c, "object"))
+        data[c] = pd.Series(vals, dtype=SPAN_DTYPES.get(c, "object"))
     for key, typ in sc.ATTRIBUTE_TYPES.items():
         vals = [row["attrs"].get(key, pd.NA) for row in rows]
         vals = [v.value if isinstance(v, Enum) else v for v in vals]

@@ -1,0 +1,177 @@
+"""The workload's shape: prompt and output lengths, arrival rate, conversations, turns, the gaps
+between turns and what happened to retained history.
+
+Requests come from the router's ``kv.request`` spans; without them, one request per
+(conversation, turn) — or per base request id — is assembled from whatever spans carry those ids
+(its start is the first span's start, its end the last span's end, its prompt length from
+``kv.prefill``). An inter-turn gap is the next turn's start minus the previous turn's end.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+import pandas as pd
+
+from kvtune import spans as sc
+from kvtune.errors import AnalysisError
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What the traffic looked like. Token percentiles are NaN when unknown.
+
+    ``multi_turn_share``: share of requests that are a later turn (>= 2) of a conversation, i.e.
+    could reuse retained history. ``gaps_s[i]`` is an inter-turn gap and ``gap_tokens[i]`` the
+    tokens of history (previous prompt + output) held across it; ``final_tokens`` the history left
+    after each conversation's last turn (retained until the TTL runs out).
+    """
+
+    n_requests: int
+    qps: float
+    prompt_tokens_p50: float
+    prompt_tokens_p90: float
+    prompt_tokens_p99: float
+    output_tokens_p50: float
+    multi_turn_share: float
+    turns_per_conversation_mean: float
+    gaps_s: tuple[float, ...]
+    reuse_outcomes: dict[str, int]
+    duration_s: float
+    n_conversations: int = 0
+    gap_tokens: tuple[int, ...] = ()
+    final_tokens: tuple[int, ...] = ()
+    prompt_tokens: tuple[int, ...] = field(default=(), repr=False)
+    requests: tuple[tuple[int, int, float], ...] = field(default=(), repr=False)
+    """Per request with a known prompt: (prompt tokens, history tokens from the previous turn,
+    gap since the previous turn's end in s); history 0 and gap NaN for first turns."""
+    source: str = ""
+
+    def as_dict(self) -> dict:
+        return {
+            "n_requests": self.n_requests, "qps": self.qps,
+            "prompt_tokens_p50": self.prompt_tokens_p50, "prompt_tokens_p90": self.prompt_tokens_p90,
+            "prompt_tokens_p99": self.prompt_tokens_p99, "output_tokens_p50": self.output_tokens_p50,
+            "multi_turn_share": self.multi_turn_share,
+            "turns_per_conversation_mean": self.turns_per_conversation_mean,
+            "n_gaps": len(self.gaps_s),
+            "gap_s_p50": float(np.median(self.gaps_s)) if self.gaps_s else None,
+            "gap_s_p90": float(np.quantile(self.gaps_s, 0.9)) if self.gaps_s else None,
+            "reuse_outcomes": dict(self.reuse_outcomes), "duration_s": self.duration_s,
+            "n_conversations": self.n_conversations, "source": self.source,
+        }
+
+
+def _q(values: np.ndarray, q: float) -> float:
+    return float(np.quantile(values, q)) if len(values) else math.nan
+
+
+def _int_col(df: pd.DataFrame, name: str) -> pd.Series:
+    if name in df.columns:
+        return df[name].astype("Float64")
+    return pd.Series(pd.NA, index=df.index, dtype="Float64")
+
+
+def _str_col(df: pd.DataFrame, name: str) -> pd.Series:
+    if name in df.columns:
+        return df[name].astype("object")
+    return pd.Series(None, index=df.index, dtype="object")
+
+
+def _requests(spans: pd.DataFrame) -> tuple[pd.DataFrame, str]:
+    """One row per request: conversation, turn, start_ns, end_ns, prompt, output."""
+    name = spans["name"].astype("object")
+    req = spans[(name == sc.SpanName.REQUEST.value).to_numpy(dtype=bool)]
+    if not req.empty:
+        out = pd.DataFrame({
+            "conversation": _str_col(req, sc.CONVERSATION_ID), "turn": _int_col(req, sc.TURN),
+            "start_ns": req["start_ns"].astype("int64"), "end_ns": req["end_ns"].astype("int64"),
+            "prompt": _int_col(req, sc.PROMPT_TOKENS), "output": _int_col(req, sc.OUTPUT_TOKENS),
+            "base": _str_col(req, sc.BASE_REQUEST_ID),
+        })
+        return out.reset_index(drop=True), sc.SpanName.REQUEST.value
+    conv, base = _str_col(spans, sc.CONVERSATION_ID), _str_col(spans, sc.BASE_REQUEST_ID)
+    keyed = spans.assign(_conv=conv, _turn=_int_col(spans, sc.TURN), _base=base)
+    # Retention spans run from one turn's end to the next turn's start: not part of a request.
+    keep = (conv.notna() | base.notna()) & (name != sc.SpanName.RETENTION.value)
+    keyed = keyed[keep.to_numpy(dtype=bool)]
+    if keyed.empty:
+        raise AnalysisError(
+            f"workload: no requests: need {sc.SpanName.REQUEST.value} router spans, or spans "
+            f"carrying {sc.CONVERSATION_ID} or {sc.BASE_REQUEST_ID}; got {len(spans)} span(s)")
+    keyed = keyed.assign(_key=keyed["_base"].where(keyed["_base"].notna(),
+                                                   keyed["_conv"].astype(str) + "#"
+                                                   + keyed["_turn"].astype(str)))
+    pre = keyed[(keyed["name"].astype("object") == sc.SpanName.PREFILL.value).to_numpy(dtype=bool)]
+    prompt = pre.groupby("_key")[sc.PROMPT_TOKENS].max() if sc.PROMPT_TOKENS in pre else None
+    g = keyed.groupby("_key", sort=False)
+    out = pd.DataFrame({
+        "conversation": g["_conv"].first(), "turn": g["_turn"].first(),
+        "start_ns": g["start_ns"].min().astype("int64"), "end_ns": g["end_ns"].max().astype("int64"),
+    })
+    out["prompt"] = (prompt.reindex(out.index).astype("Float64") if prompt is not None
+                     else pd.Series(pd.NA, index=out.index, dtype="Float64"))
+    out["output"] = pd.Series(pd.NA, index=out.index, dtype="Float64")
+    out["base"] = out.index.astype(object)
+    return out.reset_index(drop=True), "conversation ids"
+
+
+def workload(spans: pd.DataFrame) -> Workload:
+    """Summarise the traffic in ``spans`` (see module doc). Raises :class:`AnalysisError` when no
+    request can be found."""
+    if "name" not in spans.columns:
+        raise AnalysisError("workload: spans frame has no 'name' column; expected the shape of "
+                            "kvtune.traces.load")
+    req, source = _requests(spans)
+    n = len(req)
+    starts = req["start_ns"].to_numpy(dtype=np.int64)
+    duration_s = float(starts.max() - starts.min()) / 1e9 if n else 0.0
+    end_s = float(req["end_ns"].max() - starts.min()) / 1e9 if n else 0.0
+    qps = n / duration_s if duration_s > 0 else math.nan
+    prompts = req["prompt"].dropna().to_numpy(dtype=float)
+    outputs = req["output"].dropna().to_numpy(dtype=float)
+
+    gaps, gap_tokens, final_tokens, turns = [], [], [], []
+    per_request: list[tuple[int, int, float]] = []
+    later = 0
+    conv = req[req["conversation"].notna()]
+    for _, c in conv.groupby("conversation", sort=False):
+        c = c.assign(_t=c["turn"].fillna(-1)).sort_values(["_t", "start_ns"], kind="stable")
+        turns.append(len(c))
+        later += max(len(c) - 1, 0)
+        rows = list(c.itertuples(index=False))
+        if not pd.isna(rows[0].prompt):
+            per_request.append((int(rows[0].prompt), 0, math.nan))
+        for prev, nxt in zip(rows, rows[1:]):
+            gaps.append(max(float(nxt.start_ns - prev.end_ns) / 1e9, 0.0))
+            gap_tokens.append(_history(prev))
+            if not pd.isna(nxt.prompt):
+                per_request.append((int(nxt.prompt), min(_history(prev), int(nxt.prompt)), gaps[-1]))
+        final_tokens.append(_history(rows[-1]))
+    for p in req.loc[req["conversation"].isna(), "prompt"].dropna():
+        per_request.append((int(p), 0, math.nan))
+    n_single = int(req["conversation"].isna().sum())
+    turns.extend([1] * n_single)
+
+    outcomes: dict[str, int] = {}
+    name = spans["name"].astype("object")
+    dec = spans[(name == sc.SpanName.REUSE_DECISION.value).to_numpy(dtype=bool)]
+    if not dec.empty and sc.REUSE_OUTCOME in dec.columns:
+        outcomes = {str(k): int(v) for k, v in dec[sc.REUSE_OUTCOME].dropna().astype(str)
+                    .value_counts().sort_index().items()}
+    return Workload(
+        n_requests=n, qps=qps, prompt_tokens_p50=_q(prompts, 0.5),
+        prompt_tokens_p90=_q(prompts, 0.9), prompt_tokens_p99=_q(prompts, 0.99),
+        output_tokens_p50=_q(outputs, 0.5), multi_turn_share=later / n if n else 0.0,
+        turns_per_conversation_mean=float(np.mean(turns)) if turns else 0.0,
+        gaps_s=tuple(gaps), reuse_outcomes=outcomes, duration_s=end_s,
+        n_conversations=len(turns), gap_tokens=tuple(gap_tokens), final_tokens=tuple(final_tokens),
+        prompt_tokens=tuple(int(p) for p in prompts), requests=tuple(per_request), source=source)
+
+
+def _history(row) -> int:
+    """Tokens of history a turn leaves behind: its prompt plus its output (0 when unknown)."""
+    p = 0 if pd.isna(row.prompt) else int(row.prompt)
+    o = 0 if pd.isna(row.output) else int(row.output)
+    return p + o

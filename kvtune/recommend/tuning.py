@@ -1,0 +1,108 @@
+"""``recommend(spans)``: the three settings from one trace, with evidence and findings."""
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from kvtune.analysis.fit import FloorFit, fit_floor
+from kvtune.analysis.prefill import PrefillCost, prefill_cost
+from kvtune.analysis.transfers import transfers as transfers_table
+from kvtune.analysis.workload import Workload, workload as workload_of
+from kvtune.errors import AnalysisError, ConfigError
+from kvtune.recommend.findings import readiness
+from kvtune.recommend.mode import recommend_mode
+from kvtune.recommend.results import NEVER, Finding, Tuning
+from kvtune.recommend.threshold import recommend_threshold
+from kvtune.recommend.ttl import recommend_ttl
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_HBM_BUDGET_GB = 10.0
+"""Decode HBM per rank set aside for retained conversations (GB, 1e9 bytes) when not given."""
+LARGE_TRANSFER_QUANTILE = 0.75
+"""Bytes per token is read from the largest quarter of transfers, where partial blocks matter least."""
+
+
+def _source(spans: pd.DataFrame) -> str:
+    src = spans.attrs.get("sources") if hasattr(spans, "attrs") else None
+    return ", ".join(str(s) for s in src) if src else "<DataFrame>"
+
+
+def bytes_per_token_of(transfers: pd.DataFrame, geometry: Any = None) -> tuple[float, float, str]:
+    """(bytes per token, descriptors per token, where from): the geometry's, else the traced
+    transfers' ratio over the largest quarter (partial last blocks inflate small ones)."""
+    if geometry is not None:
+        bpt = float(geometry.bytes_per_token)
+        regions = getattr(geometry, "regions", None)
+        block = getattr(geometry, "block_size_tokens", None)
+        dpt = float(regions) / float(block) if regions and block else 0.0
+        return bpt, dpt, "geometry"
+    t = transfers[(transfers["tokens"].notna() & transfers["bytes"].notna()
+                   & (transfers["tokens"] > 0)).to_numpy(dtype=bool)]
+    if t.empty:
+        raise AnalysisError(
+            "recommend: cannot tell KV bytes per token: no transfer has both kv.tokens and kv.bytes "
+            "(probe-only traces): pass geometry=KvGeometry(...) (kvtune.geometry)")
+    big = t[(t["tokens"] >= t["tokens"].quantile(LARGE_TRANSFER_QUANTILE)).to_numpy(dtype=bool)]
+    bpt = float(np.median((big["bytes"] / big["tokens"]).astype(float)))
+    d = big[big["descriptors"].notna().to_numpy(dtype=bool)]
+    dpt = float(np.median((d["descriptors"] / d["tokens"]).astype(float))) if len(d) else 0.0
+    return bpt, dpt, "transfers (kv.bytes / kv.tokens)"
+
+
+def recommend(spans: pd.DataFrame, *, geometry: Any = None,
+              hbm_budget_gb: float = DEFAULT_HBM_BUDGET_GB, early_decode_ok: bool = True,
+              fabric: str | None = None, prefill_instances: int = 1, n_boot: int = 200,
+              seed: int = 0, max_context_tokens: int | None = None) -> Tuning:
+    """Recommend ``kv_recompute_threshold``, ``decoder_kv_blocks_ttl`` and the mode from a spans
+    frame (``kvtune.traces.load``). The floor fit uses the transfers on ``fabric`` (needed when the
+    trace holds several). Raises :class:`AnalysisError` when the spans cannot support the advice
+    (no transfers, too few sizes, no prefill or request spans)."""
+    if not (isinstance(hbm_budget_gb, (int, float)) and math.isfinite(hbm_budget_gb)
+            and hbm_budget_gb >= 0):
+        raise ConfigError(f"recommend: hbm_budget_gb: expected a number of GB >= 0, "
+                          f"got {hbm_budget_gb!r}")
+    source = _source(spans)
+    tr = transfers_table(spans)
+    findings: list[Finding] = []
+    fabrics = sorted(set(tr["fabric"].dropna().astype(str)))
+    if fabric is None and len(fabrics) > 1:
+        serving = tr[(tr["mode"].astype("object") != "probe").to_numpy(dtype=bool)]
+        counts = serving["fabric"].dropna().astype(str).value_counts()
+        fabric = str(counts.index[0]) if len(counts) else fabrics[0]
+        findings.append(Finding("fabric_chosen", "info",
+                                f"the trace holds transfers on {fabrics}; the floor is fitted on "
+                                f"{fabric!r} (most serving transfers); pass fabric=... to choose",
+                                {"fabrics": fabrics, "fabric": fabric}))
+    fit: FloorFit = fit_floor(tr, n_boot=n_boot, seed=seed, fabric=fabric, source=source)
+    pc: PrefillCost = prefill_cost(spans)
+    wl: Workload = workload_of(spans)
+    bpt, dpt, bpt_from = bytes_per_token_of(tr, geometry)
+    if max_context_tokens is None:
+        seen = list(wl.gap_tokens) + list(wl.prompt_tokens) + [pc.max_tokens_observed]
+        max_context_tokens = int(max(seen)) if seen else 0
+    thr, f = recommend_threshold(fit, pc, bytes_per_token=bpt, descriptors_per_token=dpt,
+                                 max_context_tokens=max_context_tokens)
+    findings += f
+    thr_tokens = math.inf if thr.value == NEVER else float(thr.value)
+    ttl, f = recommend_ttl(wl, bytes_per_token=bpt, hbm_budget_gb=hbm_budget_gb,
+                           threshold_tokens=thr_tokens, seed=seed)
+    findings += f
+    mode, f = recommend_mode(wl, fit, pc, bytes_per_token=bpt, descriptors_per_token=dpt,
+                             threshold=thr.value, ttl_s=float(ttl.value),
+                             early_decode_ok=early_decode_ok, prefill_instances=prefill_instances)
+    findings += f
+    findings += readiness(tr, spans, fit=fit, workload=wl, fabric=fabric)
+    extra = {
+        "workload": wl.as_dict(), "prefill_cost": pc.as_dict(), "n_transfers": int(len(tr)),
+        "bytes_per_token": bpt, "descriptors_per_token": dpt, "bytes_per_token_from": bpt_from,
+        "hbm_budget_gb": hbm_budget_gb, "early_decode_ok": early_decode_ok,
+        "fabric": fabric, "clock_offsets_ns": dict(spans.attrs.get("clock_offsets_ns", {}) or {}),
+        "skipped_records": len(spans.attrs.get("skipped", []) or []),
+    }
+    return Tuning(threshold=thr, ttl=ttl, mode=mode, findings=tuple(findings), fit=fit,
+                  source=source, span_count=int(len(spans)), extra=extra)
