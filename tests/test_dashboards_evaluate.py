@@ -236,3 +236,34 @@ def test_panels_show_what_the_producer_did(produced):
     rdma = produced[produced["name"] == sc.SpanName.RDMA.value]
     assert len(slow) == int((rdma["duration_ms"] >= 5).sum())
     assert np.isin(slow["trace_id"], produced["trace_id"]).all()
+
+
+# --- End to end with the real fabric probe (NIXL transfers on this host) -------------------------
+
+
+@pytest.mark.nixl
+def test_probe_phase_panels_return_rows(tmp_path):
+    probe = pytest.importorskip("kvtune.probe.sweep")
+    pytest.importorskip("nixl._api")
+    config = probe.ProbeConfig(tokens=(16, 32), ops=("READ",), iters=2, warmup=1, spans_dir=tmp_path,
+                               max_mem_mb=64, progress=False, n_boot=10)
+    probe.run_and_write(config)
+    loaded = traces.load(str(tmp_path))
+    probe_phases = {sc.SpanName.DESCRIPTOR_SETUP.value, sc.SpanName.RDMA.value, sc.SpanName.NOTIFY.value}
+    assert probe_phases <= set(loaded["name"])
+    seen = set()
+    for p, query in _queries(_dashboard()):
+        q = parse(interpolate(query, gen.DEFAULT_VARIABLE_VALUES, all_values=gen.ALL_VALUES))
+        if q.metrics and q.metrics.function == "quantile_over_time" and q.span_names() <= probe_phases \
+                and len(q.span_names()) == 1:
+            r = evaluate(q, loaded)
+            assert len(r) > 0 and set(r[f"span.{sc.MODE}"]) == {sc.Mode.PROBE.value}, p["title"]
+            seen |= q.span_names()
+    assert seen == probe_phases
+    vars_ = {**gen.DEFAULT_VARIABLE_VALUES, "mode": [sc.Mode.PROBE.value]}
+    slow = evaluate(gen.slowest_transfers_query(), loaded, variables=vars_, all_values=gen.ALL_VALUES)
+    assert len(slow) == int((loaded["name"] == sc.SpanName.RDMA.value).sum()) > 0
+    assert (slow[f"span.{sc.BYTES}"] > 0).all()
+    moved = evaluate(gen.transfer_bytes_query(), loaded, variables=vars_, all_values=gen.ALL_VALUES)
+    rdma = loaded[loaded["name"] == sc.SpanName.RDMA.value]
+    assert moved["value"].sum() == float(rdma[sc.BYTES].sum())
