@@ -5,7 +5,8 @@ Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (streaming SS
 
 Flows (the vLLM NIXL connectors' protocol; every leg of one request carries the same
 ``X-Request-Id``, the W3C ``traceparent`` header, and the same traceparent inside
-``kv_transfer_params[spans.KV_PARAMS_TRACEPARENT]``):
+``kv_transfer_params[spans.KV_PARAMS_TRACEPARENT]``, with the conversation id and turn under
+``spans.KV_PARAMS_CONVERSATION_ID`` / ``spans.KV_PARAMS_TURN`` when the request names a conversation):
 
 - **pull**: prefill (least loaded) with ``max_tokens: 1``, ``stream: false`` and
   ``kv_transfer_params: {"do_remote_decode": true}``; then the decode, chosen only now by load,
@@ -62,6 +63,8 @@ FAILED_LEG_HEADER = "X-Kvtune-Failed-Leg"
 FAILED_INSTANCE_HEADER = "X-Kvtune-Failed-Instance"
 """Response header naming the instance (URL) that failed."""
 REQUEST_ID_HEADER = "X-Request-Id"
+CLIENT_CLOSED_STATUS = 499
+"""Recorded on ``kv.request`` (never sent) when the client disconnects before the answer."""
 COMPLETIONS_PATH = "/v1/completions"
 CHAT_PATH = "/v1/chat/completions"
 CONVERSATION_FIELD = "conversation_id"
@@ -237,7 +240,9 @@ class Router:
 
     async def start(self, host: str | None = None, port: int | None = None) -> str:
         """Bind and serve; returns the base URL (``port`` 0 picks a free port)."""
-        self._runner = web.AppRunner(self.make_app(), access_log=None, handle_signals=False)
+        # handler_cancellation: a client that disconnects cancels its request here and upstream.
+        self._runner = web.AppRunner(self.make_app(), access_log=None, handle_signals=False,
+                                     handler_cancellation=True, shutdown_timeout=5.0)
         await self._runner.setup()
         site = web.TCPSite(self._runner, host or self.config.host,
                            self.config.port if port is None else port)
@@ -332,6 +337,12 @@ class Router:
                 links=links, record_exception=False, set_status_on_exception=False) as span:
             try:
                 response = await self._route(request, body, call)
+            except asyncio.CancelledError:
+                # The client went away (handler cancellation): the legs' connections are closed,
+                # which aborts the requests in vLLM.
+                call.http_status = CLIENT_CLOSED_STATUS
+                call.error_type, call.error_message = "ClientDisconnected", "client went away"
+                raise
             except UpstreamError as exc:
                 call.http_status = exc.client_status
                 call.error_type = type(exc).__name__
@@ -395,10 +406,19 @@ class Router:
         return out
 
     @staticmethod
-    def _with_traceparent(params: Mapping[str, Any], traceparent: str | None) -> dict[str, Any]:
-        out = dict(params)
+    def _with_traceparent(params: Mapping[str, Any], traceparent: str | None,
+                          call: _Call) -> dict[str, Any]:
+        """``params`` plus the request's traceparent, conversation id and turn (for the
+        connectors' spans); values echoed back from an earlier turn are replaced."""
+        out = {k: v for k, v in params.items()
+               if k not in (spans.KV_PARAMS_TRACEPARENT, spans.KV_PARAMS_CONVERSATION_ID,
+                            spans.KV_PARAMS_TURN)}
         if traceparent:
             out[spans.KV_PARAMS_TRACEPARENT] = traceparent
+        if call.conversation_id is not None:
+            out[spans.KV_PARAMS_CONVERSATION_ID] = call.conversation_id
+        if call.turn is not None:
+            out[spans.KV_PARAMS_TURN] = call.turn
         return out
 
     async def _post_json(self, leg: str, inst: InstanceConfig, path: str, body: Mapping[str, Any],
@@ -508,7 +528,7 @@ class Router:
             try:
                 p_resp = await self._post_json(
                     "prefill", p_inst, call.endpoint,
-                    self._prefill_body(body, self._with_traceparent(kv_params, traceparent),
+                    self._prefill_body(body, self._with_traceparent(kv_params, traceparent, call),
                                        call.endpoint), headers, cfg.prefill_timeout_s)
             except UpstreamError:
                 self.prefill.mark_failure(p_idx)
@@ -521,7 +541,7 @@ class Router:
             raise UpstreamError("prefill", p_inst.url, "answer carries no kv_transfer_params (is the "
                                 "instance started with a kv_producer NIXL connector?)")
         d_body = dict(body)
-        d_body["kv_transfer_params"] = self._with_traceparent(returned, traceparent)
+        d_body["kv_transfer_params"] = self._with_traceparent(returned, traceparent, call)
         d_idx = self.decode.choose()  # late: the decode is chosen by load only now
         with self.decode.lease(d_idx) as d_inst:
             call.decode_url = d_inst.url
@@ -557,14 +577,14 @@ class Router:
         with self.prefill.lease(p_idx) as p_inst, self.decode.lease(d_idx) as d_inst:
             call.prefill_url, call.decode_url = p_inst.url, d_inst.url
             p_body = self._prefill_body(
-                body, self._with_traceparent({"do_remote_decode": True}, traceparent),
+                body, self._with_traceparent({"do_remote_decode": True}, traceparent, call),
                 call.endpoint)
             d_body = dict(body)
             d_body["kv_transfer_params"] = self._with_traceparent({
                 "do_remote_prefill": True, "remote_engine_id": p_inst.engine_id,
                 "remote_host": p_inst.side_channel_host, "remote_port": p_inst.kv_port,
                 "tp_size": p_inst.tp_size, "pp_size": p_inst.pp_size,
-                "remote_request_id": call.request_id}, traceparent)
+                "remote_request_id": call.request_id}, traceparent, call)
             prefill_task = asyncio.create_task(self._post_json(
                 "prefill", p_inst, call.endpoint, p_body, headers, cfg.prefill_timeout_s))
             if call.stream:
@@ -635,12 +655,13 @@ class Router:
 
 
 async def serve(config: RouterConfig, *, port_file: str | None = None,
-                stop_event: asyncio.Event | None = None) -> None:
+                stop_event: asyncio.Event | None = None,
+                tracer: trace.Tracer | None = None) -> None:
     """Run the router until ``stop_event`` is set (or the task is cancelled). With ``port_file``,
     writes the bound port there once serving (atomically), for callers that asked for port 0."""
     import os
 
-    router = Router(config)
+    router = Router(config, tracer=tracer)
     url = await router.start()
     _logger.info("kvtune router (%s mode) on %s; prefill %s; decode %s; state %s",
                  config.mode.value, url, [i.url for i in config.prefill],
@@ -662,14 +683,14 @@ def run_router(config: RouterConfig, *, port_file: str | None = None) -> int:
 
     from kvtune.router.tracing import setup_telemetry
 
-    shutdown = setup_telemetry(config.telemetry)
+    tracer, shutdown = setup_telemetry(config.telemetry)
 
     async def main() -> None:
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
-        await serve(config, port_file=port_file, stop_event=stop)
+        await serve(config, port_file=port_file, stop_event=stop, tracer=tracer)
 
     try:
         asyncio.run(main())

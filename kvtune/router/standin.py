@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from aiohttp import web
+from multidict import CIMultiDict, CIMultiDictProxy
 
 from kvtune.router.config import InstanceConfig
 
@@ -41,6 +42,7 @@ class ReceivedRequest:
     path: str
     body: Mapping[str, Any]
     headers: Mapping[str, str]
+    """Case-insensitive."""
     status: int
     returned_kv_params: Mapping[str, Any] | None
     pulled_tokens: int = 0
@@ -110,7 +112,9 @@ class StandInVllmServer:
         app.router.add_post("/v1/chat/completions", self._completion)
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/health", self._health)
-        self._runner = web.AppRunner(app, access_log=None, handle_signals=False)
+        # handler_cancellation: a client that goes away aborts the request, as in vLLM.
+        self._runner = web.AppRunner(app, access_log=None, handle_signals=False,
+                                     handler_cancellation=True, shutdown_timeout=2.0)
         await self._runner.setup()
         site = web.TCPSite(self._runner, "127.0.0.1", 0)
         await site.start()
@@ -131,7 +135,8 @@ class StandInVllmServer:
 
     def _record(self, request: web.Request, body: Mapping[str, Any], status: int,
                 returned: Mapping[str, Any] | None, pulled: int = 0) -> None:
-        self.received.append(ReceivedRequest(self.name, request.path, body, dict(request.headers),
+        self.received.append(ReceivedRequest(self.name, request.path, body,
+                                             CIMultiDictProxy(CIMultiDict(request.headers)),
                                              status, returned, pulled))
 
     def _reject(self, request: web.Request, body: Mapping[str, Any], status: int,

@@ -21,50 +21,32 @@ TRACEPARENT_HEADER = "traceparent"
 _PROPAGATOR = TraceContextTextMapPropagator()
 
 
-def setup_telemetry(options: Mapping[str, Any] | None = None) -> Callable[[], None]:
-    """Configure tracing for a router process; returns a flush-and-shutdown callable.
+def setup_telemetry(options: Mapping[str, Any] | None = None
+                    ) -> tuple[trace.Tracer, Callable[[], None]]:
+    """Tracing for a router process: ``(tracer, flush-and-shutdown callable)``.
 
-    Uses ``kvtune.telemetry.setup(Role.ROUTER, **options)``. Where that module is absent, falls
-    back to an SDK ``TracerProvider`` without exporters, so trace ids still exist and the
-    ``traceparent`` still joins the legs' spans into one trace (the router's own spans are then
-    not exported; a warning says so).
+    Uses ``kvtune.telemetry.setup(Role.ROUTER, **options)`` (JSON-lines files, OTLP, or the
+    ``KVTUNE_SPANS_DIR`` / ``OTEL_*`` variables). Should that fail, falls back to an SDK
+    ``TracerProvider`` without exporters, so trace ids still exist and the ``traceparent`` still
+    joins the legs' spans into one trace (a warning says the router's spans are not exported).
     """
-    options = dict(options or {})
     try:
-        from kvtune import telemetry  # built by another package; optional here
-    except ImportError:
-        telemetry = None
-    if telemetry is not None:
-        try:
-            result = telemetry.setup(Role.ROUTER, **options)
-            shutdown = getattr(result, "shutdown", None)
-            if callable(shutdown):
-                return _safe(shutdown)
-            return _safe(_provider_shutdown)
-        except Exception:
-            _logger.warning("kvtune.telemetry.setup failed; router spans are not exported",
-                            exc_info=True)
+        from kvtune import telemetry
+        handle = telemetry.setup(Role.ROUTER, **dict(options or {}))
+        return handle.tracer, _safe(handle.shutdown)
+    except Exception:
+        _logger.warning("kvtune.telemetry.setup failed; router spans are made (trace context is "
+                        "propagated) but not exported", exc_info=True)
     try:
         from opentelemetry.sdk.resources import Resource
         from opentelemetry.sdk.trace import TracerProvider
 
         from kvtune.spans import SERVICE_NAME, service_name
-        if not isinstance(trace.get_tracer_provider(), TracerProvider):
-            trace.set_tracer_provider(
-                TracerProvider(resource=Resource.create({SERVICE_NAME: service_name(Role.ROUTER)})))
-            _logger.warning("kvtune.telemetry unavailable: router spans are made (trace context is "
-                            "propagated) but not exported")
+        provider = TracerProvider(resource=Resource.create({SERVICE_NAME: service_name(Role.ROUTER)}))
+        return provider.get_tracer(TRACER_NAME), _safe(provider.shutdown)
     except Exception:
         _logger.warning("OpenTelemetry SDK set-up failed; tracing is off", exc_info=True)
-    return _safe(_provider_shutdown)
-
-
-def _provider_shutdown() -> None:
-    provider = trace.get_tracer_provider()
-    for name in ("force_flush", "shutdown"):
-        fn = getattr(provider, name, None)
-        if callable(fn):
-            fn()
+        return trace.get_tracer(TRACER_NAME), lambda: None
 
 
 def _safe(fn: Callable[[], Any]) -> Callable[[], None]:
