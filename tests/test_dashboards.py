@@ -235,3 +235,40 @@ def test_make_dashboards_script_check_mode():
     import runpy
     mod = runpy.run_path(str(ROOT / "scripts" / "make_dashboards.py"), run_name="not_main")
     assert mod["main"](["--check"]) == 0
+
+
+LEZER_ENV = "KVTUNE_LEZER_TRACEQL_DIR"
+"""A directory with ``node_modules/@grafana/lezer-traceql`` (``npm install @grafana/lezer-traceql@1.0.0``)."""
+_LEZER_SCRIPT = """
+import { parser } from '@grafana/lezer-traceql';
+import fs from 'fs';
+const out = JSON.parse(fs.readFileSync(0, 'utf8')).map((q) => {
+  const errors = [];
+  parser.parse(q).iterate({ enter: (n) => { if (n.type.isError) errors.push(n.from); } });
+  return errors;
+});
+console.log(JSON.stringify(out));
+"""
+
+
+def test_queries_also_pass_grafanas_own_traceql_grammar(tmp_path):
+    """Independent check with the grammar Grafana's query editor uses (skipped unless installed)."""
+    import os
+    import shutil
+    import subprocess
+    base = os.environ.get(LEZER_ENV)
+    node = shutil.which("node")
+    if not base or not node or not (Path(base) / "node_modules" / "@grafana" / "lezer-traceql").is_dir():
+        pytest.skip(f"set {LEZER_ENV} to a directory where @grafana/lezer-traceql is installed")
+    d = committed()["kv-transfer.json"]
+    queries = [str(parse(interpolate(t["query"], gen.DEFAULT_VARIABLE_VALUES, all_values=gen.ALL_VALUES)).text)
+               for p, t in targets(d) if p["type"] != "traces"]
+    queries.append('{ name = "kv.rdma" ')  # the check itself can fail
+    script = Path(base) / "kvtune_lezer_check.mjs"
+    script.write_text(_LEZER_SCRIPT, encoding="utf-8")
+    out = subprocess.run([node, str(script)], input=json.dumps(queries), capture_output=True, text=True,
+                         cwd=base, timeout=60, check=True)
+    errors = json.loads(out.stdout)
+    assert errors[-1], "lezer accepted a malformed query: the check is broken"
+    bad = {q: e for q, e in zip(queries[:-1], errors[:-1]) if e}
+    assert not bad, f"Grafana's grammar rejects: {bad}"

@@ -27,8 +27,9 @@ SLOWEST_LIMIT: Final = 50
 """Rows of the slowest-transfers table (Tempo returns the most recent matches, the table sorts)."""
 DEFAULT_MIN_DURATION: Final = "0ms"
 """Default of the ``min_duration`` variable: show every transfer until the user raises it."""
-QUANTILES: Final = ".5, .9, .99"
-"""The phase panels' quantiles, as written in the queries."""
+QUANTILES: Final = "0.5, 0.9, 0.99"
+"""The phase panels' quantiles, as written in the queries (``0.5`` rather than ``.5``: Tempo
+accepts both, Grafana's editor grammar only the former)."""
 
 KV_TRANSFER_UID: Final = "kvtune-kv-transfer"
 KV_TRANSFER_FILE: Final = "kv-transfer.json"
@@ -87,7 +88,7 @@ def phase_latency_query(phase: SpanName) -> str:
 def phases_overview_query() -> str:
     """p90 of every phase by span name: the "where does the time go" overview."""
     any_phase = "(" + " || ".join(_name_is(p) for p in spans.PHASES) + ")"
-    return spanset(any_phase, SERVICE_FILTER, MODE_FILTER) + " | quantile_over_time(duration, .9) by (name)"
+    return spanset(any_phase, SERVICE_FILTER, MODE_FILTER) + " | quantile_over_time(duration, 0.9) by (name)"
 
 
 def _by_mode_direction() -> str:
