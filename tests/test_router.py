@@ -409,3 +409,18 @@ def test_stand_in_refuses_protocol_mistakes():
         assert post(d + "/v1/completions", {**_completion("a"), "kv_transfer_params": params}).status == 200
         # Read once: a second decode with the same blocks is refused.
         assert post(d + "/v1/completions", {**_completion("a"), "kv_transfer_params": params}).status == 400
+
+
+def test_client_disconnect_releases_upstream(tmp_path):
+    with StandInVllmCluster(1, 1) as cluster, \
+            RouterInThread(cluster.router_config("pull", state=f"sqlite:{tmp_path}/s.db")) as router:
+        cluster.decode[0].delay_s = 60.0
+        with pytest.raises(OSError):  # the client gives up after 1 s
+            post(router.url + "/v1/completions", _completion("a b"), timeout_s=1.0)
+        deadline = time.monotonic() + 20.0  # far less than the decode's 60 s
+        while time.monotonic() < deadline:
+            if get(router.url + "/health").json()["decode"][0]["in_flight"] == 0:
+                break
+            time.sleep(0.1)
+        assert get(router.url + "/health").json()["decode"][0]["in_flight"] == 0
+        cluster.decode[0].delay_s = 0.0
