@@ -26,10 +26,12 @@ def test_spanset_with_and_or_and_scoped_attributes():
     assert q.metrics is None
 
 
-def test_and_binds_tighter_than_or():
+def test_and_and_or_share_one_precedence_left_to_right_as_in_tempo():
     expr = parse("{ .a = 1 || .b = 2 && .c = 3 }").spanset.expr
-    assert isinstance(expr, BoolOp) and expr.op == "||"
-    assert isinstance(expr.right, BoolOp) and expr.right.op == "&&"
+    assert isinstance(expr, BoolOp) and expr.op == "&&"
+    assert isinstance(expr.left, BoolOp) and expr.left.op == "||"
+    expr = parse("{ .a = 1 || (.b = 2 && .c = 3) }").spanset.expr
+    assert expr.op == "||" and expr.right.op == "&&"
 
 
 def test_unscoped_attribute_number_and_leading_dot_number():
@@ -125,6 +127,8 @@ def test_tokenizer_positions():
     ("{ span. = 1 }", 7, "attribute name"),
     ("{ .a = 1 ; }", 9, "unexpected character"),
     ("{ trace:duration > 1s }", 2, "outside kvtune's subset"),
+    ("{ !.a = 1 }", 2, "binds tighter"),
+    ('{ !"x" }', 3, "boolean field"),
 ])
 def test_malformed_queries_are_rejected_with_a_position(query, position, fragment):
     with pytest.raises(TraceQLSyntaxError) as info:

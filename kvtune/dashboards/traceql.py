@@ -8,9 +8,9 @@ Grammar (whitespace between tokens is free)::
     stage       := spanset_term                      -- a further filter
                  | "select" "(" field ( "," field )* ")"
                  | metrics_fn "(" [ args ] ")" [ "by" "(" field ( "," field )* ")" ]
-    field_expr  := and_expr ( "||" and_expr )*
-    and_expr    := unary ( "&&" unary )*
-    unary       := "!" unary | "(" field_expr ")" | operand [ cmp_op operand ]
+    field_expr  := unary ( ("&&" | "||") unary )*    -- one precedence level, left to right (Tempo's)
+    unary       := "!" ( "(" field_expr ")" | "!" ... | field | true | false )
+                 | "(" field_expr ")" | operand [ cmp_op operand ]
     operand     := field | static
     field       := intrinsic | "span:" intrinsic | attribute
     intrinsic   := name | duration | status | kind
@@ -560,23 +560,28 @@ class _Parser:
         raise self.error("a field (name, duration, status, kind, span.x, resource.x or .x)")
 
     def field_expr(self) -> FieldExpr:
-        left = self.and_expr()
-        while self.at("||"):
-            self.i += 1
-            left = BoolOp("||", left, self.and_expr())
-        return left
-
-    def and_expr(self) -> FieldExpr:
+        # Tempo gives && and || the same precedence, left-associative: a || b && c is (a || b) && c.
         left = self.unary()
-        while self.at("&&"):
+        while self.at("&&") or self.at("||"):
+            op = self.tok.text
             self.i += 1
-            left = BoolOp("&&", left, self.unary())
+            left = BoolOp(op, left, self.unary())
         return left
 
     def unary(self) -> FieldExpr:
         if self.at("!"):
+            bang = self.tok
             self.i += 1
-            return Not(self.unary())
+            if self.at("(") or self.at("!"):
+                return Not(self.unary())
+            start = self.tok
+            operand = self.operand()
+            if self.tok.kind == "punct" and self.tok.text in COMPARISON_OPS:
+                raise TraceQLSyntaxError(self.query, bang.pos,
+                                         "'!' binds tighter than a comparison: write !(a = b)")
+            if not (isinstance(operand, Attribute) or (isinstance(operand, Static) and operand.type == "bool")):
+                raise TraceQLSyntaxError(self.query, start.pos, "'!' needs a boolean field or value")
+            return Not(Truthy(operand, start.pos))
         if self.at("("):
             self.i += 1
             inner = self.field_expr()
