@@ -1,0 +1,73 @@
+"""The connector classes vLLM loads: ``--kv-transfer-config '{"kv_connector":
+"KvtuneNixlPullConnector", "kv_connector_module_path": "kvtune.connectors", ...}'``.
+
+They are vLLM's ``NixlPullConnector`` / ``NixlPushConnector`` with kvtune's scheduler and worker
+subclasses in place of vLLM's. When :func:`kvtune.connectors.compat.check` finds a mismatch they
+are exactly vLLM's connectors (a warning says so), or they refuse to start when
+``kv_connector_extra_config.kvtune_strict`` is true.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import (
+    NixlBaseConnector,
+    NixlPullConnector,
+    NixlPushConnector,
+)
+
+from kvtune.connectors import compat
+from kvtune.connectors.scheduler import KvtunePullScheduler, KvtunePushScheduler
+from kvtune.connectors.worker import KvtunePullWorker, KvtunePushWorker
+
+_logger = logging.getLogger("kvtune.connectors")
+
+
+def _instrument(vllm_config: Any) -> bool:
+    """Whether to build kvtune's subclasses (raises ConnectorError in strict mode on a mismatch)."""
+    cfg = vllm_config.kv_transfer_config
+    strict = bool(cfg.get_from_extra_config(compat.STRICT_KEY, False)) if cfg is not None else False
+    return compat.check(strict=strict).instrumentable
+
+
+class KvtuneNixlPullConnector(NixlPullConnector):
+    """vLLM's pull (READ) NIXL connector, emitting kvtune's spans (pull and bidirectional)."""
+
+    def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any) -> None:
+        if not _instrument(vllm_config):
+            super().__init__(vllm_config, role, kv_cache_config)
+            return
+        # NixlPullConnector.__init__ with kvtune's scheduler/worker classes.
+        NixlBaseConnector.__init__(self, vllm_config, role, kv_cache_config)
+        if role == KVConnectorRole.SCHEDULER:
+            self.connector_scheduler = KvtunePullScheduler(vllm_config, self.engine_id,
+                                                           kv_cache_config)
+            self.connector_worker = None
+        elif role == KVConnectorRole.WORKER:
+            self.connector_scheduler = None
+            self.connector_worker = KvtunePullWorker(vllm_config, self.engine_id, kv_cache_config)
+
+
+class KvtuneNixlPushConnector(NixlPushConnector):
+    """vLLM's push (WRITE) NIXL connector, emitting kvtune's spans."""
+
+    def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any) -> None:
+        if not _instrument(vllm_config):
+            super().__init__(vllm_config, role, kv_cache_config)
+            return
+        # NixlPushConnector.__init__ with kvtune's scheduler/worker classes.
+        NixlBaseConnector.__init__(self, vllm_config, role, kv_cache_config)
+        if vllm_config.parallel_config.decode_context_parallel_size > 1:
+            raise ValueError(
+                "NixlPushConnector does not support decode_context_parallel_size > 1.")
+        self.connector_scheduler = None
+        self.connector_worker = None
+        if role == KVConnectorRole.SCHEDULER:
+            self.connector_scheduler = KvtunePushScheduler(vllm_config, self.engine_id,
+                                                           kv_cache_config)
+        elif role == KVConnectorRole.WORKER:
+            self.connector_worker = KvtunePushWorker(vllm_config, self.engine_id, kv_cache_config)
+        else:
+            raise ValueError(f"Unsupported KVConnectorRole: {role}")

@@ -1,0 +1,359 @@
+"""Span emission for the instrumented connectors, independent of vLLM.
+
+* :class:`HookGuard` runs every kvtune hook body: an exception in kvtune's code is caught and
+  logged once per process (with its traceback), and the host carries on unchanged.
+* :class:`Emitter` makes the convention's spans for one role with explicit start/end times (a phase
+  often starts in the scheduler process and ends in the worker process; both stamp wall-clock ns).
+  Attributes are built only for recording spans; export happens on the telemetry's batch processor.
+* :class:`ReqTrace` is what the scheduler side hands to the worker side through vLLM's connector
+  metadata (``metadata.kvtune_reqs``): ids, trace context and the time a phase began.
+* :class:`TransferTracker` follows NIXL transfer handles from "descriptors prepared" to "completion
+  observed" and emits ``kv.descriptor_setup`` and ``kv.rdma`` with NIXL's own telemetry.
+
+Test-only fault injection: ``KVTUNE_TEST_FAIL_HOOKS`` (comma-separated hook names, or ``*``) makes
+the named hooks raise :class:`InjectedHookError` before doing anything, to prove that a failing
+hook never changes what vLLM does. Never set it in production.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Final
+
+from opentelemetry import trace
+from opentelemetry.trace import SpanContext, Status, StatusCode, Tracer
+
+from kvtune import spans
+from kvtune.connectors.ids import (
+    base_request_id,
+    context_of,
+    derived_span_context,
+    format_traceparent,
+    parse_traceparent,
+)
+
+_logger = logging.getLogger("kvtune.connectors")
+
+ENV_FAIL_HOOKS: Final = "KVTUNE_TEST_FAIL_HOOKS"
+"""Test-only: comma-separated hook names (or ``*``) that raise :class:`InjectedHookError`."""
+MAX_TRACKED_REQUESTS: Final = 10_000
+"""Per-request trace records a worker keeps before dropping the oldest (requests that never reach
+a worker-side event must not grow memory without bound)."""
+TRACER_NAME: Final = "kvtune.connectors"
+
+
+class InjectedHookError(RuntimeError):
+    """Raised by a hook named in ``KVTUNE_TEST_FAIL_HOOKS`` (tests only)."""
+
+
+class HookGuard:
+    """Runs hook bodies so that kvtune's own failures never reach vLLM.
+
+    The first failure in the process is logged as a warning with its traceback; later ones are
+    counted and logged at debug level (a broken hook on the engine loop must not flood the log).
+    """
+
+    def __init__(self, logger: logging.Logger = _logger,
+                 fail_hooks: Iterable[str] | None = None) -> None:
+        self._logger = logger
+        if fail_hooks is None:
+            fail_hooks = (h.strip() for h in os.environ.get(ENV_FAIL_HOOKS, "").split(","))
+        self._fail: frozenset[str] = frozenset(h for h in fail_hooks if h)
+        self._lock = threading.Lock()
+        self.failures = 0
+        """Hook failures caught so far."""
+
+    def run(self, hook: str, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(*args)``; on an exception, log (once) and return None."""
+        try:
+            if self._fail and (hook in self._fail or "*" in self._fail):
+                raise InjectedHookError(f"{ENV_FAIL_HOOKS} asked hook {hook!r} to fail")
+            return fn(*args)
+        except Exception:  # noqa: BLE001 - telemetry never breaks the host
+            with self._lock:
+                self.failures += 1
+                first = self.failures == 1
+            if first:
+                self._logger.warning(
+                    "kvtune: instrumentation hook %r failed; vLLM continues unaffected and later "
+                    "hook failures are logged at debug level only", hook, exc_info=True)
+            else:
+                self._logger.debug("kvtune: instrumentation hook %r failed", hook, exc_info=True)
+            return None
+
+
+GUARD: Final = HookGuard()
+"""The process's guard (one warning per process)."""
+
+
+def now_ns() -> int:
+    """Wall clock, ns since the epoch (what span files carry; comparable across processes)."""
+    return time.time_ns()
+
+
+@dataclass(frozen=True)
+class ReqTrace:
+    """What the scheduler side tells the worker side about one request (pickled with the
+    connector metadata, so only plain values)."""
+
+    request_id: str
+    base_id: str
+    """Base id of this request's forward transfer (the prefill's request)."""
+    traceparent: str
+    """W3C traceparent of the request (given or derived)."""
+    remote_base_id: str | None = None
+    """Bidirectional, on the prefill: base id of the decode's retained request (reverse transfer)."""
+    remote_traceparent: str | None = None
+    """Bidirectional, on the prefill: trace of the retained request (reverse transfer's trace)."""
+    conversation_id: str | None = None
+    turn: int | None = None
+    tokens: int | None = None
+    """Tokens this engine receives (or, for retention, keeps)."""
+    mark_ns: int | None = None
+    """When this request's pending phase began on the scheduler (registration: blocks allocated;
+    push prefill: prefill done; retention: blocks retained; reuse decision: decision made)."""
+    ttl_s: float | None = None
+    """Retention: ``decoder_kv_blocks_ttl`` in force."""
+    remote_tokens: int | None = None
+    """Reuse decision: tokens of history the decode holds."""
+    threshold_tokens: int | None = None
+    """Reuse decision: ``kv_recompute_threshold`` in force."""
+
+    def span_context(self) -> SpanContext:
+        return parse_traceparent(self.traceparent) or derived_span_context(self.base_id)
+
+    def remote_span_context(self) -> SpanContext:
+        base = self.remote_base_id or self.base_id
+        return parse_traceparent(self.remote_traceparent) or derived_span_context(base)
+
+
+def traceparent_of(sc: SpanContext) -> str:
+    return format_traceparent(sc)
+
+
+class BoundedDict(OrderedDict):
+    """An insertion-ordered dict that drops its oldest entries beyond ``maxlen``."""
+
+    def __init__(self, maxlen: int = MAX_TRACKED_REQUESTS) -> None:
+        super().__init__()
+        self.maxlen = maxlen
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        super().__setitem__(key, value)
+        while len(self) > self.maxlen:
+            self.popitem(last=False)
+
+
+def _tracer_for(role: spans.Role) -> tuple[Tracer, Any]:
+    """The tracer of this process's kvtune telemetry (``kvtune.telemetry.from_env``), else the
+    global OpenTelemetry tracer (a no-op unless the application configured one)."""
+    handle = None
+    try:
+        from kvtune import telemetry
+        handle = telemetry.from_env(role)
+    except Exception:  # noqa: BLE001
+        _logger.debug("kvtune: telemetry.from_env failed", exc_info=True)
+    if handle is not None:
+        return handle.tracer, handle
+    return trace.get_tracer(TRACER_NAME), None
+
+
+@dataclass
+class Emitter:
+    """Makes the convention's spans for one process role.
+
+    ``common`` attributes (role, mode, engine id, TP rank) go on every span.
+    """
+
+    role: spans.Role
+    mode: spans.Mode
+    engine_id: str
+    tp_rank: int | None = None
+    tracer: Tracer | None = None
+    telemetry: Any = None
+    common: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.tracer is None:
+            self.tracer, self.telemetry = _tracer_for(self.role)
+        self.common = {spans.ROLE: self.role.value, spans.MODE: self.mode.value,
+                       spans.ENGINE_ID: self.engine_id}
+        if self.tp_rank is not None:
+            self.common[spans.TP_RANK] = int(self.tp_rank)
+
+    def emit(self, name: spans.SpanName, sc: SpanContext, start_ns: int, end_ns: int,
+             attrs: Callable[[], Mapping[str, Any]] | Mapping[str, Any] | None = None,
+             error: str | None = None) -> None:
+        """One finished span ``name`` under parent ``sc`` from ``start_ns`` to ``end_ns``."""
+        span = self.tracer.start_span(name.value, context=context_of(sc), start_time=start_ns)
+        if span.is_recording():
+            values = dict(self.common)
+            if attrs is not None:
+                values.update(attrs() if callable(attrs) else attrs)
+            span.set_attributes({k: v for k, v in values.items() if v is not None})
+            if error is not None:
+                span.set_attribute(spans.ERROR_TYPE, error)
+                span.set_status(Status(StatusCode.ERROR, error))
+        span.end(end_time=max(end_ns, start_ns))
+
+    def flush(self) -> None:
+        if self.telemetry is not None:
+            self.telemetry.force_flush()
+
+
+def transfer_attrs(base_id: str, direction: spans.Direction, request_id: str,
+                   **extra: Any) -> dict[str, Any]:
+    """The attributes that identify one KV movement."""
+    attrs = {spans.TRANSFER_ID: spans.transfer_id(base_id, direction),
+             spans.BASE_REQUEST_ID: base_id, spans.REQUEST_ID: request_id,
+             spans.DIRECTION: direction.value}
+    attrs.update(extra)
+    return attrs
+
+
+def count_blocks(block_ids: Any) -> int:
+    """Blocks in vLLM's ``BlockIds`` (a tuple of per-group lists, or a flat list)."""
+    if block_ids is None:
+        return 0
+    total = 0
+    for group in block_ids:
+        total += len(group) if isinstance(group, (list, tuple)) or hasattr(group, "__len__") else 1
+    return total
+
+
+@dataclass
+class XferContext:
+    """The transfer a worker thread is about to post (set around vLLM's read/write method)."""
+
+    sc: SpanContext
+    attrs: dict[str, Any]
+    setup_start_ns: int
+
+
+@dataclass
+class _Pending:
+    ctx: XferContext
+    handle: Any
+    descriptors: int | None
+    post_ns: int | None = None
+    done_ns: int | None = None
+    state: str | None = None
+
+
+class TransferTracker:
+    """Follows NIXL transfer handles: prepared -> posted -> completion observed.
+
+    The worker sets the current :class:`XferContext` around vLLM's ``_read_blocks`` /
+    ``_xfer_blocks``; :class:`~kvtune.connectors.nixl_agent.ObservedNixlAgent` reports each NIXL
+    call here. Handles posted outside such a context are not tracked.
+    """
+
+    def __init__(self, emitter: Emitter, guard: HookGuard = GUARD) -> None:
+        self.emitter = emitter
+        self.guard = guard
+        self._tls = threading.local()
+        self._pending: dict[int, _Pending] = {}
+        self._lock = threading.Lock()
+
+    # --- context ----------------------------------------------------------------------------
+    def begin(self, ctx: XferContext | None) -> None:
+        self._tls.ctx = ctx
+
+    def end(self) -> None:
+        self._tls.ctx = None
+
+    def current(self) -> XferContext | None:
+        return getattr(self._tls, "ctx", None)
+
+    # --- NIXL events (each called through the guard by the agent proxy) ---------------------
+    def prepared(self, handle: Any, descriptors: int | None) -> None:
+        ctx = self.current()
+        if ctx is None:
+            return
+        end = now_ns()
+        n = descriptors
+        self.emitter.emit(spans.SpanName.DESCRIPTOR_SETUP, ctx.sc, ctx.setup_start_ns, end,
+                          lambda: {**ctx.attrs, spans.DESCRIPTORS: n})
+        with self._lock:
+            self._pending[id(handle)] = _Pending(ctx, handle, descriptors)
+        ctx.setup_start_ns = end  # a second transfer for the same request starts here
+
+    def posted(self, handle: Any, post_ns: int, state: Any) -> None:
+        with self._lock:
+            rec = self._pending.get(id(handle))
+        if rec is None:
+            return
+        rec.post_ns = post_ns
+        if state == "ERR":
+            self._finish(handle, "ERR", now_ns(), None)
+
+    def observed(self, handle: Any, state: str) -> None:
+        if state == "PROC":
+            return
+        with self._lock:
+            rec = self._pending.get(id(handle))
+        if rec is None:
+            return
+        if rec.done_ns is None:
+            rec.done_ns = now_ns()
+            rec.state = state
+        if state != "DONE":
+            self._finish(handle, state, rec.done_ns, None)
+
+    def telemetry(self, handle: Any, res: Any) -> None:
+        with self._lock:
+            rec = self._pending.get(id(handle))
+        if rec is None or rec.done_ns is None:
+            return
+        self._finish(handle, rec.state or "DONE", rec.done_ns, res)
+
+    def released(self, handle: Any) -> None:
+        with self._lock:
+            rec = self._pending.get(id(handle))
+        if rec is None:
+            return
+        if rec.done_ns is None:
+            self._finish(handle, "RELEASED_BEFORE_COMPLETION", now_ns(), None)
+        else:
+            self._finish(handle, rec.state or "DONE", rec.done_ns, None)
+
+    def _finish(self, handle: Any, state: str, done_ns: int, res: Any) -> None:
+        with self._lock:
+            rec = self._pending.pop(id(handle), None)
+        if rec is None or rec.post_ns is None:
+            return
+        ctx = rec.ctx
+
+        def attrs() -> dict[str, Any]:
+            out = dict(ctx.attrs)
+            out[spans.NIXL_STATUS] = state
+            out[spans.DESCRIPTORS] = rec.descriptors
+            if res is not None:
+                out[spans.NIXL_POST_US] = float(res.postDuration)
+                out[spans.NIXL_XFER_US] = float(res.xferDuration)
+                out[spans.BYTES] = int(res.totalBytes)
+                out[spans.DESCRIPTORS] = int(res.descCount)
+            return out
+
+        self.emitter.emit(spans.SpanName.RDMA, ctx.sc, rec.post_ns, done_ns, attrs,
+                          error=None if state == "DONE" else f"nixl_{state.lower()}")
+
+    def pending_count(self) -> int:
+        with self._lock:
+            return len(self._pending)
+
+
+def request_attrs(info: ReqTrace | None) -> dict[str, Any]:
+    """Conversation attributes of a request, when known."""
+    if info is None:
+        return {}
+    return {spans.CONVERSATION_ID: info.conversation_id, spans.TURN: info.turn}
+
+
+def base_of(request_id: str) -> str:
+    return base_request_id(request_id)

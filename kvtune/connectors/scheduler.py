@@ -1,0 +1,313 @@
+"""Scheduler sides of the instrumented connectors (imports vLLM).
+
+Each override calls vLLM's own method first with the same arguments, returns its result unchanged,
+and then runs a kvtune hook through the guard. What the scheduler learns that a worker needs (trace
+context, tokens, when a phase began) travels in the connector metadata as ``kvtune_reqs``.
+
+Spans made here: ``kv.prefill`` (prefill), ``kv.decode_start`` (decode), ``kv.reuse_decision``
+(prefill, bidirectional, for outcomes decided here; a pull is confirmed or declined as expired by
+the worker).
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_scheduler import (
+    NixlPullConnectorScheduler,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.push_scheduler import (
+    NixlPushConnectorScheduler,
+)
+
+from kvtune import spans
+from kvtune.connectors.ids import base_request_id, derived_span_context, request_span_context
+from kvtune.connectors.observer import (
+    GUARD,
+    Emitter,
+    ReqTrace,
+    now_ns,
+    parse_traceparent,
+    traceparent_of,
+    transfer_attrs,
+)
+
+if TYPE_CHECKING:
+    from vllm.v1.request import Request
+
+_R = spans.ReuseOutcome
+_NORMAL_FINISH = ("FINISHED_LENGTH_CAPPED", "FINISHED_STOPPED")
+
+
+def role_of(kv_role: str | None) -> spans.Role:
+    """kvtune role of an engine from vLLM's ``kv_role`` (``kv_both`` counts as prefill)."""
+    return spans.Role.DECODE if kv_role == "kv_consumer" else spans.Role.PREFILL
+
+
+@dataclass(slots=True)
+class _ReqState:
+    """Scheduler-side state of one request (dropped when the request finishes)."""
+
+    request_id: str
+    base_id: str
+    traceparent: str
+    conversation_id: str | None
+    turn: int | None
+    scheduled_ns: int | None = None
+    local_cached: int = 0
+    external: int = 0
+    waiting_kv: bool = False
+    decided: bool = False
+    decision_ns: int | None = None
+
+
+def _int_or_none(value: Any) -> int | None:
+    try:
+        return int(value) if value is not None else None
+    except (TypeError, ValueError):
+        return None
+
+
+class _SchedulerHooks:
+    """Mixed into vLLM's pull/push scheduler classes (before them in the MRO)."""
+
+    _KVT_MODE = spans.Mode.PULL
+
+    def _kvt_setup(self) -> None:
+        cfg = self.vllm_config.kv_transfer_config
+        self._kvt_role = role_of(cfg.kv_role)
+        mode = self._KVT_MODE
+        if getattr(self, "is_bidirectional_kv_xfer_enabled", False):
+            mode = spans.Mode.BIDIRECTIONAL
+        self._kvt_mode = mode
+        self._kvt = Emitter(self._kvt_role, mode, str(self.engine_id))
+        self._kvt_reqs: dict[str, _ReqState] = {}
+        self._kvt_outbox: dict[str, ReqTrace] = {}
+        self._kvt_kv_ready: dict[str, int] = {}
+
+    # --- vLLM methods (vLLM's own first, unchanged result, then the hook) ------------------
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int
+                                   ) -> tuple[int, bool]:
+        result = super().get_num_new_matched_tokens(request, num_computed_tokens)
+        GUARD.run("scheduler.matched", self._kvt_on_matched, request, num_computed_tokens, result)
+        return result
+
+    def update_state_after_alloc(self, request: Request, blocks: Any,
+                                 num_external_tokens: int) -> Any:
+        params = request.kv_transfer_params
+        pre = (bool(params.get("do_remote_prefill")), bool(params.get("do_remote_decode"))) \
+            if params else None
+        result = super().update_state_after_alloc(request, blocks, num_external_tokens)
+        GUARD.run("scheduler.alloc", self._kvt_on_alloc, request, blocks, num_external_tokens, pre)
+        return result
+
+    def build_connector_meta(self, scheduler_output: Any) -> Any:
+        meta = super().build_connector_meta(scheduler_output)
+        GUARD.run("scheduler.meta", self._kvt_on_meta, meta, scheduler_output)
+        return meta
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        super().update_connector_output(connector_output)
+        GUARD.run("scheduler.output", self._kvt_on_output, connector_output)
+
+    def request_finished(self, request: Request, block_ids: Any
+                         ) -> tuple[bool, dict[str, Any] | None]:
+        status = _status_name(request)
+        result = super().request_finished(request, block_ids)
+        GUARD.run("scheduler.finished", self._kvt_on_finished, request, status, result)
+        return result
+
+    def shutdown(self) -> None:
+        super().shutdown()
+        GUARD.run("scheduler.shutdown", lambda: self._kvt.flush())
+
+
+    # --- state ------------------------------------------------------------------------------
+    def _kvt_state(self, request: Request) -> _ReqState:
+        st = self._kvt_reqs.get(request.request_id)
+        if st is None:
+            params = request.kv_transfer_params or {}
+            # On the decode the forward transfer is named after the prefill's request.
+            remote = params.get("remote_request_id") if params.get("do_remote_prefill") else None
+            base = base_request_id(str(remote) if remote else request.request_id)
+            sc = request_span_context(base, trace_headers=getattr(request, "trace_headers", None),
+                                      kv_params=params)
+            st = _ReqState(request.request_id, base, traceparent_of(sc),
+                           _str_or_none(params.get(spans.KV_PARAMS_CONVERSATION_ID)),
+                           _int_or_none(params.get(spans.KV_PARAMS_TURN)))
+            self._kvt_reqs[request.request_id] = st
+        return st
+
+    def _kvt_trace(self, st: _ReqState, **fields: Any) -> None:
+        """Queue (or update) what the worker side should know about ``st``'s request."""
+        prev = self._kvt_outbox.get(st.request_id)
+        if prev is None:
+            prev = ReqTrace(st.request_id, st.base_id, st.traceparent,
+                            conversation_id=st.conversation_id, turn=st.turn)
+        self._kvt_outbox[st.request_id] = dataclasses.replace(prev, **fields)
+
+    def _kvt_conv(self, st: _ReqState) -> dict[str, Any]:
+        return {spans.CONVERSATION_ID: st.conversation_id, spans.TURN: st.turn}
+
+    # --- hooks ------------------------------------------------------------------------------
+    def _kvt_on_matched(self, request: Request, num_computed_tokens: int,
+                        result: tuple[int | None, bool]) -> None:
+        params = request.kv_transfer_params
+        if not params:
+            return
+        st = self._kvt_state(request)
+        st.local_cached = int(num_computed_tokens)
+        if (self._kvt_mode is spans.Mode.BIDIRECTIONAL and params.get("do_remote_decode")
+                and not st.decided):
+            st.decided = True
+            self._kvt_reuse_decision(request, st, params, num_computed_tokens, result)
+
+    def _kvt_reuse_decision(self, request: Request, st: _ReqState, params: dict[str, Any],
+                            num_computed_tokens: int, result: tuple[int | None, bool]) -> None:
+        t = now_ns()
+        st.decision_ns = t
+        remote_id = params.get("remote_request_id")
+        remote_tokens = int(params.get("remote_num_tokens") or 0) if params.get(
+            "remote_block_ids") else 0
+        threshold = int(getattr(self, "kv_recompute_threshold", 0))
+        if result[0]:
+            # A pull: the worker confirms it (or declines it as expired) and emits the span.
+            return
+        if not remote_id or remote_tokens <= 0:
+            outcome = _R.NONE
+        elif min(remote_tokens, request.num_prompt_tokens) - num_computed_tokens <= 0:
+            outcome = _R.LOCAL_HIT
+        else:
+            outcome = _R.RECOMPUTE
+        if remote_id:
+            base = base_request_id(str(remote_id))
+            sc = (parse_traceparent(params.get(spans.KV_PARAMS_RETAINED_TRACEPARENT))
+                  or derived_span_context(base))
+            tid_attrs = transfer_attrs(base, spans.Direction.REVERSE, request.request_id)
+        else:
+            sc = parse_traceparent(st.traceparent) or derived_span_context(st.base_id)
+            tid_attrs = {spans.REQUEST_ID: request.request_id, spans.BASE_REQUEST_ID: st.base_id}
+        self._kvt.emit(spans.SpanName.REUSE_DECISION, sc, t, now_ns(), lambda: {
+            **tid_attrs, **self._kvt_conv(st), spans.REUSE_OUTCOME: outcome.value,
+            spans.REUSE_REMOTE_TOKENS: remote_tokens, spans.REUSE_THRESHOLD_TOKENS: threshold,
+            spans.PROMPT_TOKENS: int(request.num_prompt_tokens)})
+
+    def _kvt_on_alloc(self, request: Request, blocks: Any, num_external_tokens: int,
+                      pre: tuple[bool, bool] | None) -> None:
+        if pre is None:
+            return
+        was_remote_prefill, is_remote_decode = pre
+        st = self._kvt_state(request)
+        if is_remote_decode:
+            if st.scheduled_ns is None:
+                st.scheduled_ns = now_ns()
+                self._kvt_trace(st)  # the worker's notify / push spans join this request's trace
+            st.external = max(st.external, int(num_external_tokens))
+            if (self._kvt_mode is spans.Mode.BIDIRECTIONAL and num_external_tokens > 0
+                    and request.request_id in getattr(self, "_reqs_need_recv", {})):
+                params = request.kv_transfer_params or {}
+                remote_id = str(params.get("remote_request_id") or "")
+                self._kvt_trace(
+                    st, remote_base_id=base_request_id(remote_id) if remote_id else None,
+                    remote_traceparent=params.get(spans.KV_PARAMS_RETAINED_TRACEPARENT),
+                    tokens=int(num_external_tokens), mark_ns=st.decision_ns,
+                    remote_tokens=_int_or_none(params.get("remote_num_tokens")),
+                    threshold_tokens=int(getattr(self, "kv_recompute_threshold", 0)))
+        elif was_remote_prefill and num_external_tokens > 0:
+            st.waiting_kv = True
+            st.external = int(num_external_tokens)
+            self._kvt_trace(st, tokens=int(num_external_tokens), mark_ns=now_ns())
+
+    def _kvt_on_meta(self, meta: Any, scheduler_output: Any) -> None:
+        if self._kvt_outbox:
+            meta.kvtune_reqs = self._kvt_outbox
+            self._kvt_outbox = {}
+        if self._kvt_kv_ready:
+            scheduled = scheduler_output.num_scheduled_tokens or {}
+            for rid in [r for r in self._kvt_kv_ready if r in scheduled]:
+                ready_ns = self._kvt_kv_ready.pop(rid)
+                st = self._kvt_reqs.get(rid)
+                if st is None:
+                    continue
+                sc = parse_traceparent(st.traceparent) or derived_span_context(st.base_id)
+                self._kvt.emit(spans.SpanName.DECODE_START, sc, ready_ns, now_ns(), lambda: {
+                    **transfer_attrs(st.base_id, spans.Direction.FORWARD, rid),
+                    **self._kvt_conv(st), spans.TOKENS: st.external})
+
+    def _kvt_on_output(self, connector_output: Any) -> None:
+        done = connector_output.finished_recving
+        if not done:
+            return
+        failed = connector_output.failed_recving or ()
+        t = now_ns()
+        for rid in done:
+            st = self._kvt_reqs.get(rid)
+            if st is not None and st.waiting_kv:
+                st.waiting_kv = False
+                if rid not in failed:
+                    self._kvt_kv_ready[rid] = t
+
+    def _kvt_on_finished(self, request: Request, status_name: str,
+                         result: tuple[bool, dict[str, Any] | None]) -> None:
+        rid = request.request_id
+        st = self._kvt_reqs.pop(rid, None)
+        self._kvt_kv_ready.pop(rid, None)
+        params = request.kv_transfer_params or {}
+        if st is None:
+            return
+        t = now_ns()
+        sc = parse_traceparent(st.traceparent) or derived_span_context(st.base_id)
+        if params.get("do_remote_decode") and st.scheduled_ns is not None:
+            prompt = int(request.num_prompt_tokens)
+            cached = min(prompt, st.local_cached + st.external)
+            ok = status_name in _NORMAL_FINISH
+            self._kvt.emit(spans.SpanName.PREFILL, sc, st.scheduled_ns, t, lambda: {
+                **transfer_attrs(st.base_id, spans.Direction.FORWARD, rid),
+                **self._kvt_conv(st), spans.PROMPT_TOKENS: prompt, spans.CACHED_TOKENS: cached,
+                spans.COMPUTED_TOKENS: prompt - cached}, error=None if ok else status_name.lower())
+            if ok and result[0]:
+                # Push: when the prefill's KV became ready (the rendezvous' "prefill" arrival).
+                self._kvt_trace(st, mark_ns=t, tokens=prompt)
+        elif (self._kvt_mode is spans.Mode.BIDIRECTIONAL and result[0]
+              and result[1] is not None):
+            # Decode keeps the blocks for the next turn: the retention begins.
+            out = result[1]
+            out[spans.KV_PARAMS_RETAINED_TRACEPARENT] = traceparent_of(sc)
+            if st.conversation_id is not None:
+                out.setdefault(spans.KV_PARAMS_CONVERSATION_ID, st.conversation_id)
+            if st.turn is not None:
+                out.setdefault(spans.KV_PARAMS_TURN, st.turn)
+            # Retained blocks belong to this decode's own request (named after its own id).
+            self._kvt_trace(st, base_id=base_request_id(rid), mark_ns=t,
+                            ttl_s=float(getattr(self, "decoder_kv_blocks_ttl", 0)),
+                            tokens=_int_or_none(out.get("remote_num_tokens")))
+
+
+def _str_or_none(value: Any) -> str | None:
+    return str(value) if value is not None else None
+
+
+def _status_name(request: Request) -> str:
+    status = getattr(request, "status", None)
+    return getattr(status, "name", str(status))
+
+
+class KvtunePullScheduler(_SchedulerHooks, NixlPullConnectorScheduler):
+    """vLLM's pull (READ) scheduler, plus kvtune's spans."""
+
+    _KVT_MODE = spans.Mode.PULL
+
+    def __init__(self, vllm_config: Any, engine_id: str, kv_cache_config: Any) -> None:
+        super().__init__(vllm_config, engine_id, kv_cache_config)
+        GUARD.run("scheduler.setup", self._kvt_setup)
+
+
+class KvtunePushScheduler(_SchedulerHooks, NixlPushConnectorScheduler):
+    """vLLM's push (WRITE) scheduler, plus kvtune's spans."""
+
+    _KVT_MODE = spans.Mode.PUSH
+
+    def __init__(self, vllm_config: Any, engine_id: str, kv_cache_config: Any) -> None:
+        super().__init__(vllm_config, engine_id, kv_cache_config)
+        GUARD.run("scheduler.setup", self._kvt_setup)

@@ -1,0 +1,360 @@
+"""Worker sides of the instrumented connectors (imports vLLM).
+
+The worker's NIXL agent is wrapped in :class:`~kvtune.connectors.nixl_agent.ObservedNixlAgent`;
+vLLM's read/write methods are overridden only to say *which* transfer the NIXL calls inside them
+belong to. Spans made here: ``kv.handshake``, ``kv.descriptor_setup``, ``kv.rdma`` (initiator),
+``kv.notify`` (target), ``kv.registration`` (push decode), ``kv.rendezvous`` (push prefill),
+``kv.reuse_decision`` for pulls (bidirectional prefill: pull or expired) and ``kv.retention``
+(bidirectional decode).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import PUSH_REG_NOTIF_PREFIX
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_worker import (
+    NixlPullConnectorWorker,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.push_worker import (
+    NixlPushConnectorWorker,
+)
+
+from kvtune import spans
+from kvtune.connectors.ids import base_request_id, derived_span_context, parse_traceparent
+from kvtune.connectors.nixl_agent import ObservedNixlAgent
+from kvtune.connectors.observer import (
+    GUARD,
+    BoundedDict,
+    Emitter,
+    ReqTrace,
+    TransferTracker,
+    XferContext,
+    count_blocks,
+    now_ns,
+    request_attrs,
+    transfer_attrs,
+)
+from kvtune.connectors.scheduler import role_of
+
+_D = spans.Direction
+_S = spans.SpanName
+LEASE_EXPIRED = "kv_lease_expired"
+"""``error.type`` of a ``kv.notify`` that never came: the producer's lease on the blocks ran out."""
+
+
+class _WorkerHooks:
+    """Mixed into vLLM's pull/push worker classes (before them in the MRO)."""
+
+    _KVT_MODE = spans.Mode.PULL
+
+    def _kvt_setup(self) -> None:
+        cfg = self.vllm_config.kv_transfer_config
+        self._kvt_role = role_of(cfg.kv_role)
+        bidir = bool(cfg.get_from_extra_config("bidirectional_kv_xfer", False))
+        mode = spans.Mode.BIDIRECTIONAL if bidir else self._KVT_MODE
+        self._kvt = Emitter(self._kvt_role, mode, str(self.engine_id),
+                            tp_rank=getattr(self, "tp_rank", None))
+        backends = getattr(self, "nixl_backends", None) or ["UCX"]
+        self._kvt.common[spans.NIXL_BACKEND] = str(backends[0])
+        self._kvt_xfers = TransferTracker(self._kvt)
+        self._kvt_reqs: BoundedDict = BoundedDict()
+        self._kvt_retained: dict[str, ReqTrace] = {}
+        self._kvt_hs_trigger: dict[str, tuple[Any, dict[str, Any]]] = {}
+        self._kvt_cur_req: str | None = None
+        self.nixl_wrapper = ObservedNixlAgent(self.nixl_wrapper, self._kvt_xfers)
+
+    # --- helpers ----------------------------------------------------------------------------
+    def _kvt_forward_target_sc(self, rid: str) -> tuple[Any, str, ReqTrace | None]:
+        info = self._kvt_reqs.get(rid)
+        base = info.base_id if info is not None else base_request_id(rid)
+        sc = info.span_context() if info is not None else derived_span_context(base)
+        return sc, base, info
+
+    def _kvt_notify(self, rid: str, direction: spans.Direction, sc: Any, base: str,
+                    info: ReqTrace | None, error: str | None = None) -> None:
+        t = now_ns()
+        self._kvt.emit(_S.NOTIFY, sc, t, t, lambda: {
+            **transfer_attrs(base, direction, rid), **request_attrs(info),
+            spans.TOKENS: info.tokens if info is not None else None}, error=error)
+
+    def _kvt_retention_end(self, rid: str, outcome: spans.RetentionOutcome) -> None:
+        info = self._kvt_retained.pop(rid, None)
+        if info is None or info.mark_ns is None:
+            return
+        self._kvt.emit(_S.RETENTION, info.span_context(), info.mark_ns, now_ns(), lambda: {
+            **transfer_attrs(info.base_id, _D.REVERSE, rid), **request_attrs(info),
+            spans.TOKENS: info.tokens, spans.RETENTION_TTL_S: info.ttl_s,
+            spans.RETENTION_OUTCOME: outcome.value})
+
+    def _kvt_trigger_handshake(self, engine_id: str, sc: Any, attrs: dict[str, Any]) -> None:
+        if engine_id not in self._remote_agents and engine_id not in self._kvt_hs_trigger:
+            self._kvt_hs_trigger[engine_id] = (sc, attrs)
+
+    # --- hooks ------------------------------------------------------------------------------
+    def _kvt_on_metadata(self, metadata: Any) -> None:
+        extra = getattr(metadata, "kvtune_reqs", None)
+        if not extra:
+            return
+        for rid, info in extra.items():
+            self._kvt_reqs[rid] = info
+            if info.ttl_s is not None and self._kvt_role is spans.Role.DECODE:
+                self._kvt_retained[rid] = info
+
+    def _kvt_xfer_context(self, op: spans.NixlOp, read_spec: Any, dst_engine_id: str,
+                          request_id: str, remote_request_id: str) -> XferContext:
+        t = now_ns()
+        info = self._kvt_reqs.get(request_id)
+        if op is spans.NixlOp.READ and self._kvt_role is spans.Role.PREFILL:
+            # A prefill reads only in bidirectional mode: the history's KV back from the decode.
+            direction = _D.REVERSE
+            base = base_request_id(remote_request_id)
+            sc = (parse_traceparent(info.remote_traceparent) if info is not None else None) \
+                or derived_span_context(base)
+        else:
+            direction = _D.FORWARD
+            base = info.base_id if info is not None else base_request_id(
+                remote_request_id if op is spans.NixlOp.READ else request_id)
+            sc = info.span_context() if info is not None else derived_span_context(base)
+        attrs = {**transfer_attrs(base, direction, request_id), **request_attrs(info),
+                 spans.NIXL_OP: op.value, spans.REMOTE_ENGINE_ID: str(dst_engine_id),
+                 spans.BLOCKS: count_blocks(getattr(read_spec, "local_block_ids", None)),
+                 spans.TOKENS: info.tokens if info is not None else None}
+        return XferContext(sc, attrs, t)
+
+    def _kvt_on_notified(self, notified: set[str]) -> None:
+        for rid in notified:
+            if rid in self._kvt_retained:
+                info = self._kvt_retained[rid]
+                self._kvt_notify(rid, _D.REVERSE, info.span_context(), info.base_id, info)
+                self._kvt_retention_end(rid, spans.RetentionOutcome.REUSED)
+            else:
+                sc, base, info = self._kvt_forward_target_sc(rid)
+                self._kvt_notify(rid, _D.FORWARD, sc, base, info)
+                self._kvt_reqs.pop(rid, None)
+
+    def _kvt_on_expired(self, expired: set[str]) -> None:
+        for rid in expired:
+            if rid in self._kvt_retained:
+                self._kvt_retention_end(rid, spans.RetentionOutcome.EXPIRED)
+            else:
+                sc, base, info = self._kvt_forward_target_sc(rid)
+                self._kvt_notify(rid, _D.FORWARD, sc, base, info, error=LEASE_EXPIRED)
+                self._kvt_reqs.pop(rid, None)
+
+    def _kvt_handshake_done(self, engine_id: str, start_ns: int, error: str | None) -> None:
+        sc, attrs = self._kvt_hs_trigger.pop(engine_id, (None, {}))
+        if sc is None:
+            sc = derived_span_context(f"handshake:{self.engine_id}:{engine_id}")
+        self._kvt.emit(_S.HANDSHAKE, sc, start_ns, now_ns(),
+                       {**attrs, spans.REMOTE_ENGINE_ID: str(engine_id)}, error=error)
+
+    def _kvt_on_shutdown(self) -> None:
+        for rid in list(self._kvt_retained):
+            self._kvt_retention_end(rid, spans.RetentionOutcome.RELEASED)
+        self._kvt.flush()
+
+    # --- vLLM methods -----------------------------------------------------------------------
+    def _nixl_handshake(self, host: str, port: int, remote_tp_size: int,
+                        expected_engine_id: str, *args: Any, **kwargs: Any) -> Any:
+        start = now_ns()
+        try:
+            result = super()._nixl_handshake(host, port, remote_tp_size, expected_engine_id,
+                                             *args, **kwargs)
+        except BaseException as exc:
+            GUARD.run("worker.handshake", self._kvt_handshake_done, expected_engine_id, start,
+                      type(exc).__name__)
+            raise
+        GUARD.run("worker.handshake", self._kvt_handshake_done, expected_engine_id, start, None)
+        return result
+
+    def _reap_expired_send_leases(self, done_sending: set[str]) -> None:
+        if not self._reqs_to_send:
+            return super()._reap_expired_send_leases(done_sending)
+        before = set(done_sending)
+        result = super()._reap_expired_send_leases(done_sending)
+        if len(done_sending) != len(before):
+            GUARD.run("worker.expired", self._kvt_on_expired, done_sending - before)
+        return result
+
+    def shutdown(self) -> None:
+        GUARD.run("worker.shutdown", self._kvt_on_shutdown)
+        super().shutdown()
+
+
+class KvtunePullWorker(_WorkerHooks, NixlPullConnectorWorker):
+    """vLLM's pull (READ) worker, plus kvtune's spans."""
+
+    _KVT_MODE = spans.Mode.PULL
+
+    def __init__(self, vllm_config: Any, engine_id: str, kv_cache_config: Any) -> None:
+        super().__init__(vllm_config, engine_id, kv_cache_config)
+        GUARD.run("worker.setup", self._kvt_setup)
+
+    def start_load_kv(self, metadata: Any) -> None:
+        GUARD.run("worker.metadata", self._kvt_on_metadata, metadata)
+        return super().start_load_kv(metadata)
+
+    def _background_nixl_handshake(self, req_id: str, remote_engine_id: str, meta: Any) -> None:
+        GUARD.run("worker.handshake_trigger", self._kvt_pull_trigger, req_id, remote_engine_id,
+                  meta)
+        return super()._background_nixl_handshake(req_id, remote_engine_id, meta)
+
+    def _kvt_pull_trigger(self, req_id: str, remote_engine_id: str, meta: Any) -> None:
+        ctx = self._kvt_xfer_context(spans.NixlOp.READ, None, remote_engine_id, req_id,
+                                     meta.remote.request_id)
+        self._kvt_trigger_handshake(remote_engine_id, ctx.sc, ctx.attrs)
+
+    def _read_blocks_for_req(self, req_id: str, meta: Any) -> Any:
+        self._kvt_cur_req = req_id
+        try:
+            return super()._read_blocks_for_req(req_id, meta)
+        finally:
+            self._kvt_cur_req = None
+
+    def _is_turn2_read_expired(self, meta: Any) -> bool:
+        expired = super()._is_turn2_read_expired(meta)
+        GUARD.run("worker.reuse_decision", self._kvt_on_turn2, meta, expired)
+        return expired
+
+    def _kvt_on_turn2(self, meta: Any, expired: bool) -> None:
+        rid = self._kvt_cur_req
+        info = self._kvt_reqs.get(rid) if rid is not None else None
+        if rid is None or info is None or info.mark_ns is None:
+            return
+        base = info.remote_base_id or base_request_id(meta.remote.request_id)
+        outcome = spans.ReuseOutcome.EXPIRED if expired else spans.ReuseOutcome.PULL
+        self._kvt.emit(_S.REUSE_DECISION, info.remote_span_context(), info.mark_ns, now_ns(),
+                       lambda: {**transfer_attrs(base, _D.REVERSE, rid), **request_attrs(info),
+                                spans.REUSE_OUTCOME: outcome.value,
+                                spans.REUSE_REMOTE_TOKENS: info.remote_tokens,
+                                spans.REUSE_THRESHOLD_TOKENS: info.threshold_tokens})
+
+    def _read_blocks(self, read_spec: Any, dst_engine_id: str, request_id: str,
+                     remote_request_id: str, *args: Any, **kwargs: Any) -> bool:
+        ctx = GUARD.run("worker.read", self._kvt_xfer_context, spans.NixlOp.READ, read_spec,
+                        dst_engine_id, request_id, remote_request_id)
+        tracker = getattr(self, "_kvt_xfers", None)
+        if tracker is None:
+            return super()._read_blocks(read_spec, dst_engine_id, request_id, remote_request_id,
+                                        *args, **kwargs)
+        tracker.begin(ctx)
+        try:
+            return super()._read_blocks(read_spec, dst_engine_id, request_id, remote_request_id,
+                                        *args, **kwargs)
+        finally:
+            tracker.end()
+
+    def _get_new_notifs(self) -> set[str]:
+        notified = super()._get_new_notifs()
+        if notified:
+            GUARD.run("worker.notify", self._kvt_on_notified, notified)
+        return notified
+
+
+class KvtunePushWorker(_WorkerHooks, NixlPushConnectorWorker):
+    """vLLM's push (WRITE) worker, plus kvtune's spans (some from the ``nixl-push-writer``
+    thread; they carry their parent explicitly, so they keep it)."""
+
+    _KVT_MODE = spans.Mode.PUSH
+
+    def __init__(self, vllm_config: Any, engine_id: str, kv_cache_config: Any) -> None:
+        super().__init__(vllm_config, engine_id, kv_cache_config)
+        GUARD.run("worker.setup", self._kvt_push_setup)
+
+    def _kvt_push_setup(self) -> None:
+        self._kvt_setup()
+        self._kvt_reg_arrival: BoundedDict = BoundedDict()
+        self._kvt_rendezvous_done: BoundedDict = BoundedDict()
+
+    def start_load_kv(self, metadata: Any) -> None:
+        GUARD.run("worker.metadata", self._kvt_on_metadata, metadata)
+        return super().start_load_kv(metadata)
+
+    # D side (writer thread): registration sent to the prefill.
+    def _send_registration_to_p(self, req_id: str, reg_data: dict[str, Any]) -> None:
+        GUARD.run("worker.handshake_trigger", self._kvt_reg_trigger, req_id, reg_data)
+        return super()._send_registration_to_p(req_id, reg_data)
+
+    def _kvt_reg_trigger(self, req_id: str, reg_data: dict[str, Any]) -> None:
+        sc, base, info = self._kvt_forward_target_sc(req_id)
+        self._kvt_trigger_handshake(str(reg_data["remote_engine_id"]), sc,
+                                    transfer_attrs(base, _D.FORWARD, req_id))
+
+    def _do_send_reg_notif(self, req_id: str, reg_data: dict[str, Any]) -> None:
+        result = super()._do_send_reg_notif(req_id, reg_data)
+        GUARD.run("worker.registration", self._kvt_on_registered, req_id, reg_data)
+        return result
+
+    def _kvt_on_registered(self, req_id: str, reg_data: dict[str, Any]) -> None:
+        sc, base, info = self._kvt_forward_target_sc(req_id)
+        start = info.mark_ns if info is not None and info.mark_ns is not None else now_ns()
+        self._kvt.emit(_S.REGISTRATION, sc, start, now_ns(), lambda: {
+            **transfer_attrs(base, _D.FORWARD, req_id), **request_attrs(info),
+            spans.REMOTE_ENGINE_ID: str(reg_data.get("remote_engine_id")),
+            spans.BLOCKS: count_blocks(reg_data.get("local_block_ids")),
+            spans.TOKENS: info.tokens if info is not None else None})
+
+    # P side (writer thread): registration received; rendezvous with the finished prefill.
+    def _handle_push_reg_notif(self, notif: bytes) -> None:
+        GUARD.run("worker.registration_in", self._kvt_on_reg_notif, notif)
+        return super()._handle_push_reg_notif(notif)
+
+    def _kvt_on_reg_notif(self, notif: bytes) -> None:
+        reg = msgspec.msgpack.decode(notif[len(PUSH_REG_NOTIF_PREFIX):])
+        rid = reg.get("request_id") if isinstance(reg, dict) else None
+        if isinstance(rid, str):
+            self._kvt_reg_arrival[base_request_id(rid)] = now_ns()
+
+    def _do_start_push_kv(self, request_id: str, local_block_ids: Any,
+                          registration_data: dict[str, Any]) -> None:
+        GUARD.run("worker.rendezvous", self._kvt_on_rendezvous, request_id, registration_data)
+        return super()._do_start_push_kv(request_id, local_block_ids, registration_data)
+
+    def _kvt_on_rendezvous(self, request_id: str, reg: dict[str, Any]) -> None:
+        if request_id in self._kvt_rendezvous_done:
+            return  # re-driven after the handshake: the rendezvous already happened
+        self._kvt_rendezvous_done[request_id] = True
+        t = now_ns()
+        sc, base, info = self._kvt_forward_target_sc(request_id)
+        reg_ns = self._kvt_reg_arrival.pop(base, None)
+        prefill_ns = info.mark_ns if info is not None else None
+        arrivals = [(reg_ns, spans.FirstArrival.REGISTRATION), (prefill_ns, spans.FirstArrival.PREFILL)]
+        known = sorted((ns, who) for ns, who in arrivals if ns is not None)
+        start, first = known[0] if known else (t, None)
+        attrs = {**transfer_attrs(base, _D.FORWARD, request_id), **request_attrs(info),
+                 spans.REMOTE_ENGINE_ID: str(reg.get("decode_engine_id")),
+                 spans.FIRST_ARRIVAL: first.value if first is not None else None}
+        self._kvt.emit(_S.RENDEZVOUS, sc, start, t, attrs)
+        self._kvt_trigger_handshake(str(reg.get("decode_engine_id")), sc,
+                                    transfer_attrs(base, _D.FORWARD, request_id))
+
+    def _xfer_blocks(self, read_spec: Any, dst_engine_id: str, request_id: str,
+                     remote_request_id: str, *args: Any, **kwargs: Any) -> Any:
+        ctx = GUARD.run("worker.write", self._kvt_xfer_context, spans.NixlOp.WRITE, read_spec,
+                        dst_engine_id, request_id, remote_request_id)
+        tracker = getattr(self, "_kvt_xfers", None)
+        if tracker is None:
+            return super()._xfer_blocks(read_spec, dst_engine_id, request_id, remote_request_id,
+                                        *args, **kwargs)
+        tracker.begin(ctx)
+        try:
+            return super()._xfer_blocks(read_spec, dst_engine_id, request_id, remote_request_id,
+                                        *args, **kwargs)
+        finally:
+            tracker.end()
+
+    # D side (engine thread): the prefill's WRITE completion notification.
+    def get_transfer_results(self) -> Any:
+        results = super().get_transfer_results()
+        if results.finished_recving:
+            GUARD.run("worker.notify", self._kvt_on_push_received, results)
+        return results
+
+    def _kvt_on_push_received(self, results: Any) -> None:
+        failed = results.failed_recving or set()
+        for rid in results.finished_recving:
+            sc, base, info = self._kvt_forward_target_sc(rid)
+            self._kvt_notify(rid, _D.FORWARD, sc, base, info,
+                             error="kv_recv_failed" if rid in failed else None)
+            self._kvt_reqs.pop(rid, None)

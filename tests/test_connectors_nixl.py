@@ -1,0 +1,325 @@
+"""In-process tests of the connectors' observers with real NIXL agents and real CPU tensors.
+
+Two NIXL agents (UCX) in this process stand for a prefill and a decode worker. The transfer path
+(descriptor setup -> READ/WRITE -> completion) goes through ``ObservedNixlAgent``; the target-side
+paths (completion notification, heartbeat, lease expiry of retained blocks) run vLLM's own
+``NixlPullConnectorWorker`` methods on a kvtune worker whose NIXL agent is real.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import time
+import uuid
+from collections import defaultdict
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+
+from kvtune import spans
+from kvtune.connectors.ids import derived_span_context
+from kvtune.connectors.nixl_agent import ObservedNixlAgent
+from kvtune.connectors.observer import (
+    BoundedDict,
+    Emitter,
+    HookGuard,
+    ReqTrace,
+    TransferTracker,
+    XferContext,
+    transfer_attrs,
+)
+
+pytestmark = pytest.mark.nixl
+
+torch = pytest.importorskip("torch")
+nixl_api = pytest.importorskip("nixl._api")
+from opentelemetry.sdk.trace import TracerProvider  # noqa: E402
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor  # noqa: E402
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import (  # noqa: E402
+    InMemorySpanExporter,
+)
+
+N_BLOCKS = 8
+BLOCK_BYTES = 4096
+WAIT_S = 60.0
+"""Bound on waiting for a local NIXL completion or notification (busy 2-core machine)."""
+
+
+def _wait_for(fn: Callable[[], Any], what: str) -> Any:
+    deadline = time.monotonic() + WAIT_S
+    while time.monotonic() < deadline:
+        value = fn()
+        if value:
+            return value
+        time.sleep(0.005)
+    raise AssertionError(f"timed out after {WAIT_S:.0f} s waiting for {what}")
+
+
+class Peer:
+    """One NIXL agent with a registered CPU tensor of N_BLOCKS blocks."""
+
+    def __init__(self, tag: str, fill: int | None) -> None:
+        self.name = f"kvt-test-{tag}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+        self.agent = nixl_api.nixl_agent(
+            self.name, nixl_api.nixl_agent_config(backends=["UCX"], capture_telemetry=True))
+        if fill is None:
+            self.kv = torch.zeros(N_BLOCKS * BLOCK_BYTES, dtype=torch.uint8)
+        else:
+            self.kv = (torch.arange(N_BLOCKS * BLOCK_BYTES) % 251 + fill).to(torch.uint8)
+        self.reg = self.agent.register_memory(
+            [(self.kv.data_ptr(), self.kv.numel(), 0, "")], "DRAM")
+
+    def blocks(self) -> list[tuple[int, int, int]]:
+        base = self.kv.data_ptr()
+        return [(base + i * BLOCK_BYTES, BLOCK_BYTES, 0) for i in range(N_BLOCKS)]
+
+    def block(self, i: int) -> Any:
+        return self.kv[i * BLOCK_BYTES:(i + 1) * BLOCK_BYTES]
+
+
+@pytest.fixture(scope="module")
+def peers() -> Iterator[tuple[Peer, Peer, Any, Any]]:
+    """(initiator, target, local dlist handle, remote dlist handle) with metadata exchanged."""
+    init, target = Peer("init", None), Peer("target", 7)
+    init.agent.add_remote_agent(target.agent.get_agent_metadata())
+    target.agent.add_remote_agent(init.agent.get_agent_metadata())
+    local = init.agent.prep_xfer_dlist("NIXL_INIT_AGENT", init.blocks(), "DRAM")
+    remote = init.agent.prep_xfer_dlist(target.name, target.blocks(), "DRAM")
+    yield init, target, local, remote
+    for p in (init, target):
+        p.agent.deregister_memory(p.reg)
+
+
+@pytest.fixture()
+def exporter() -> InMemorySpanExporter:
+    return InMemorySpanExporter()
+
+
+def _emitter(exporter: InMemorySpanExporter, role: spans.Role, mode: spans.Mode) -> Emitter:
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    return Emitter(role, mode, f"engine-{role.value}", tp_rank=0,
+                   tracer=provider.get_tracer("test"))
+
+
+def _by_name(exporter: InMemorySpanExporter) -> dict[str, list[Any]]:
+    out: dict[str, list[Any]] = defaultdict(list)
+    for s in exporter.get_finished_spans():
+        out[s.name].append(s)
+    return out
+
+
+def _drive_transfer(agent: Any, local: Any, remote: Any, local_ids: list[int],
+                    remote_ids: list[int], op: str = "READ") -> str:
+    """vLLM's sequence: make_prepped_xfer, transfer, poll check_xfer_state, telemetry, release."""
+    handle = agent.make_prepped_xfer(op, local, local_ids, remote, remote_ids, notif_msg=b"")
+    agent.transfer(handle)
+    state = _wait_for(lambda: (s := agent.check_xfer_state(handle)) != "PROC" and s,
+                      "NIXL transfer completion")
+    if state == "DONE":
+        agent.get_xfer_telemetry(handle)
+    agent.release_xfer_handle(handle)
+    return state
+
+
+def test_read_emits_descriptor_setup_and_rdma_with_nixl_telemetry(
+        peers: tuple[Peer, Peer, Any, Any], exporter: InMemorySpanExporter) -> None:
+    init, target, local, remote = peers
+    tracker = TransferTracker(_emitter(exporter, spans.Role.DECODE, spans.Mode.PULL))
+    agent = ObservedNixlAgent(init.agent, tracker)
+    sc = derived_span_context("req-read")
+    attrs = transfer_attrs("req-read", spans.Direction.FORWARD, "cmpl-req-read-0-0000abcd",
+                           **{spans.NIXL_OP: spans.NixlOp.READ.value, spans.BLOCKS: 3})
+    tracker.begin(XferContext(sc, attrs, time.time_ns()))
+    try:
+        state = _drive_transfer(agent, local, remote, [0, 1, 2], [5, 6, 7])
+    finally:
+        tracker.end()
+    assert state == "DONE"
+    for i, j in ((0, 5), (1, 6), (2, 7)):  # the bytes really moved
+        assert torch.equal(init.block(i), target.block(j))
+
+    got = _by_name(exporter)
+    (setup,) = got[spans.SpanName.DESCRIPTOR_SETUP.value]
+    (rdma,) = got[spans.SpanName.RDMA.value]
+    tid = spans.transfer_id("req-read", spans.Direction.FORWARD)
+    for s in (setup, rdma):
+        assert s.context.trace_id == sc.trace_id and s.parent.span_id == sc.span_id
+        assert s.attributes[spans.TRANSFER_ID] == tid
+        assert s.attributes[spans.NIXL_OP] == spans.NixlOp.READ.value
+    assert setup.end_time <= rdma.start_time <= rdma.end_time
+    a = rdma.attributes
+    assert a[spans.NIXL_STATUS] == "DONE"
+    assert a[spans.BYTES] == 3 * BLOCK_BYTES
+    assert a[spans.DESCRIPTORS] >= 1
+    assert a[spans.NIXL_POST_US] >= 0.0 and a[spans.NIXL_XFER_US] >= 0.0
+    assert tracker.pending_count() == 0
+
+
+def test_untracked_transfers_and_host_errors_pass_through(
+        peers: tuple[Peer, Peer, Any, Any], exporter: InMemorySpanExporter) -> None:
+    init, _, local, remote = peers
+    tracker = TransferTracker(_emitter(exporter, spans.Role.DECODE, spans.Mode.PULL))
+    agent = ObservedNixlAgent(init.agent, tracker)
+    # No transfer context: NIXL works as usual and nothing is tracked.
+    assert _drive_transfer(agent, local, remote, [3], [3]) == "DONE"
+    assert exporter.get_finished_spans() == () and tracker.pending_count() == 0
+    # The host's own error (a descriptor index out of range) reaches the caller unchanged.
+    with pytest.raises(Exception) as raw:
+        init.agent.make_prepped_xfer("READ", local, [0], remote, [N_BLOCKS + 100])
+    tracker.begin(XferContext(derived_span_context("bad"), {}, time.time_ns()))
+    try:
+        with pytest.raises(type(raw.value)):
+            agent.make_prepped_xfer("READ", local, [0], remote, [N_BLOCKS + 100])
+    finally:
+        tracker.end()
+    assert exporter.get_finished_spans() == ()
+    assert agent.wrapped is init.agent and agent.name == init.agent.name
+
+
+def test_write_completes_when_a_hook_raises_and_warns_once(
+        peers: tuple[Peer, Peer, Any, Any], exporter: InMemorySpanExporter,
+        caplog: pytest.LogCaptureFixture) -> None:
+    init, target, local, remote = peers
+    guard = HookGuard(logger=logging.getLogger("kvtune.test.nixl"),
+                      fail_hooks=("nixl.prepared", "nixl.telemetry"))
+    tracker = TransferTracker(_emitter(exporter, spans.Role.PREFILL, spans.Mode.PUSH), guard)
+    agent = ObservedNixlAgent(init.agent, tracker, guard)
+    init.kv.fill_(42)
+    with caplog.at_level(logging.WARNING, logger="kvtune.test.nixl"):
+        for block in (4, 5):
+            tracker.begin(XferContext(derived_span_context("w"), {}, time.time_ns()))
+            try:
+                assert _drive_transfer(agent, local, remote, [block], [block], op="WRITE") == "DONE"
+            finally:
+                tracker.end()
+    for block in (4, 5):
+        assert bool((target.block(block) == 42).all())
+    assert len([r for r in caplog.records if r.name == "kvtune.test.nixl"]) == 1
+    assert guard.failures == 4
+    assert exporter.get_finished_spans() == ()  # the failed hooks made no half-spans
+
+
+# --- vLLM's pull worker, target side, with a real NIXL agent ----------------------------------
+@pytest.fixture()
+def worker_factory(exporter: InMemorySpanExporter) -> Callable[..., Any]:
+    pytest.importorskip("vllm")
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.stats import NixlKVConnectorStats
+
+    from kvtune.connectors.worker import KvtunePullWorker
+
+    def make(agent: Any, role: spans.Role, mode: spans.Mode) -> Any:
+        # The state vLLM's target-side methods use (what NixlBaseConnectorWorker.__init__ sets).
+        w = object.__new__(KvtunePullWorker)
+        w.nixl_wrapper = agent
+        w.transfer_topo = object()
+        w._reqs_to_send = {}
+        w._reqs_to_process = set()
+        w.consumer_notification_counts_by_req = defaultdict(int)
+        w.expected_consumer_notifications_by_req = {}
+        w.xfer_stats = NixlKVConnectorStats()
+        w._lease_extension = 30
+        w.engine_id = f"engine-{role.value}"
+        w._remote_agents = {}
+        # kvtune's state (what _kvt_setup sets from the vLLM config).
+        w._kvt_role = role
+        w._kvt = _emitter(exporter, role, mode)
+        w._kvt_xfers = TransferTracker(w._kvt)
+        w._kvt_reqs = BoundedDict()
+        w._kvt_retained = {}
+        w._kvt_hs_trigger = {}
+        w._kvt_cur_req = None
+        return w
+
+    return make
+
+
+def test_notification_heartbeat_and_completion_on_the_prefill(
+        peers: tuple[Peer, Peer, Any, Any], worker_factory: Callable[..., Any],
+        exporter: InMemorySpanExporter) -> None:
+    init, target, _, _ = peers
+    w = worker_factory(target.agent, spans.Role.PREFILL, spans.Mode.PULL)
+    rid = "cmpl-hb1-0-1a2b3c4d"
+    w._reqs_to_process.add(rid)
+    w._reqs_to_send[rid] = time.perf_counter() + 5.0
+    before = w._reqs_to_send[rid]
+
+    init.agent.send_notif(target.name, f"HB:{rid}".encode())  # the decode's lease heartbeat
+    _wait_for(lambda: w._get_new_notifs() == set() and w._reqs_to_send[rid] > before,
+              "heartbeat to extend the lease")
+    assert exporter.get_finished_spans() == ()  # a heartbeat is not a completion
+
+    init.agent.send_notif(target.name, f"{rid}:1".encode())  # the decode finished reading
+    notified: set[str] = set()
+    _wait_for(lambda: notified.update(w._get_new_notifs()) or rid in notified,
+              "completion notification")
+    assert rid not in w._reqs_to_send  # vLLM released the lease as usual
+    (notify,) = exporter.get_finished_spans()
+    assert notify.name == spans.SpanName.NOTIFY.value
+    assert notify.attributes[spans.TRANSFER_ID] == spans.transfer_id("hb1", spans.Direction.FORWARD)
+    assert notify.attributes[spans.ROLE] == spans.Role.PREFILL.value
+    assert notify.context.trace_id == derived_span_context("hb1").trace_id
+    assert notify.start_time == notify.end_time  # point-like
+
+
+def test_retained_blocks_expire_then_emit_retention(
+        worker_factory: Callable[..., Any], exporter: InMemorySpanExporter,
+        peers: tuple[Peer, Peer, Any, Any]) -> None:
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import NixlConnectorMetadata
+
+    _, target, _, _ = peers
+    w = worker_factory(target.agent, spans.Role.DECODE, spans.Mode.BIDIRECTIONAL)
+    kept, reused = "cmpl-conv1-0-11111111", "cmpl-conv2-0-22222222"
+    tp = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+    meta = NixlConnectorMetadata()
+    t0 = time.time_ns()
+    meta.kvtune_reqs = {
+        kept: ReqTrace(kept, "conv1", tp, conversation_id="c-1", turn=1, tokens=48, mark_ns=t0,
+                       ttl_s=0.5),
+        reused: ReqTrace(reused, "conv2", tp, tokens=16, mark_ns=t0, ttl_s=0.5),
+    }
+    w._kvt_on_metadata(meta)
+    now = time.perf_counter()
+    for rid in (kept, reused):
+        w._reqs_to_process.add(rid)
+    w._reqs_to_send[kept] = now - 0.01          # TTL ran out
+    w._reqs_to_send[reused] = now + 60.0
+
+    done: set[str] = set()
+    w._reap_expired_send_leases(done)            # vLLM's own reaping
+    assert done == {kept} and kept not in w._reqs_to_send
+
+    w._kvt_on_notified({reused})                 # the prefill read the other one back
+    w.__class__.__mro__[1]._kvt_on_shutdown      # (exists on the mixin)
+    got = _by_name(exporter)
+    ret = {s.attributes[spans.RETENTION_OUTCOME]: s for s in got[spans.SpanName.RETENTION.value]}
+    assert set(ret) == {spans.RetentionOutcome.EXPIRED.value, spans.RetentionOutcome.REUSED.value}
+    expired = ret[spans.RetentionOutcome.EXPIRED.value]
+    assert expired.attributes[spans.RETENTION_TTL_S] == 0.5
+    assert expired.attributes[spans.TRANSFER_ID] == spans.transfer_id("conv1",
+                                                                      spans.Direction.REVERSE)
+    assert expired.attributes[spans.CONVERSATION_ID] == "c-1" and expired.attributes[spans.TURN] == 1
+    assert expired.start_time == t0 and f"{expired.context.trace_id:032x}" in tp
+    (notify,) = got[spans.SpanName.NOTIFY.value]
+    assert notify.attributes[spans.DIRECTION] == spans.Direction.REVERSE.value
+    assert notify.attributes[spans.TRANSFER_ID] == spans.transfer_id("conv2",
+                                                                     spans.Direction.REVERSE)
+
+
+def test_prefill_lease_expiry_is_a_failed_notify(
+        worker_factory: Callable[..., Any], exporter: InMemorySpanExporter,
+        peers: tuple[Peer, Peer, Any, Any]) -> None:
+    from kvtune.connectors.worker import LEASE_EXPIRED
+
+    _, target, _, _ = peers
+    w = worker_factory(target.agent, spans.Role.PREFILL, spans.Mode.PULL)
+    rid = "cmpl-lost-0-33333333"
+    w._reqs_to_process.add(rid)
+    w._reqs_to_send[rid] = time.perf_counter() - 1.0
+    done: set[str] = set()
+    w._reap_expired_send_leases(done)
+    assert done == {rid}
+    (span,) = exporter.get_finished_spans()
+    assert span.name == spans.SpanName.NOTIFY.value
+    assert span.attributes[spans.ERROR_TYPE] == LEASE_EXPIRED and not span.status.is_ok
