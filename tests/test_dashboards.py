@@ -177,7 +177,7 @@ def test_slowest_transfers_table_links_to_the_trace_panel():
     d = committed()["kv-transfer.json"]
     table = next(p for p in panels(d) if p["title"] == "Slowest transfers")
     t = table["targets"][0]
-    assert t["tableType"] == "spans" and t["limit"] > 0
+    assert t["tableType"] == "spans" and t["limit"] > 0 and t["spss"] >= 2 * 8  # every rank, both directions
     q = parse(interpolate(t["query"], gen.DEFAULT_VARIABLE_VALUES, all_values=gen.ALL_VALUES))
     assert q.metrics is None and q.span_names() == {spans.SpanName.RDMA.value}
     assert table["options"]["sortBy"] == [{"displayName": "Duration", "desc": True}]

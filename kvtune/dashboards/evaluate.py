@@ -17,7 +17,9 @@ Semantics follow Tempo's for the subset :mod:`kvtune.dashboards.traceql` parses:
 Results:
 
 - search queries: one row per matched span with ``trace_id, span_id, name, service, start_ns,
-  duration_ms`` and one column per ``select(...)`` field (named as written, e.g. ``span.kv.bytes``);
+  duration_ms`` and one column per ``select(...)`` field (named as written, e.g. ``span.kv.bytes``,
+  typed as the convention types it). Every match is returned: Tempo also caps the traces at the
+  panel's ``limit`` and the spans per trace at its ``spss``;
 - metrics queries: one row per (series, time bucket) with one column per ``by(...)`` label (named
   as written), ``p`` for ``quantile_over_time``, then ``time_s`` (bucket start, s since epoch) and
   ``value``. Spans fall in buckets by start time; ``rate`` is per second of bucket. Quantiles are

@@ -25,6 +25,9 @@ ALL_REGEX: Final = ".*"
 """Custom "All" value of the multi-value variables: they are used as regexes (``=~``)."""
 SLOWEST_LIMIT: Final = 50
 """Rows of the slowest-transfers table (Tempo returns the most recent matches, the table sorts)."""
+SLOWEST_SPANS_PER_TRACE: Final = 16
+"""``spss`` of the slowest-transfers table: one request has one RDMA span per rank and direction,
+so 16 shows every transfer of a request up to TP 8 with both directions (Tempo's default is 3)."""
 DEFAULT_MIN_DURATION: Final = "0ms"
 """Default of the ``min_duration`` variable: show every transfer until the user raises it."""
 QUANTILES: Final = "0.5, 0.9, 0.99"
@@ -293,7 +296,8 @@ def kv_transfer_dashboard() -> dict[str, Any]:
         "description": f"`{SpanName.RDMA.value}` spans at least $min_duration long, slowest first. "
                        "Click a row to show its trace below.",
         "datasource": dict(DATASOURCE), "gridPos": L.place(24, 10),
-        "targets": [_target(slowest_transfers_query(), table_type="spans", limit=SLOWEST_LIMIT, spss=1)],
+        "targets": [_target(slowest_transfers_query(), table_type="spans", limit=SLOWEST_LIMIT,
+                            spss=SLOWEST_SPANS_PER_TRACE)],
         "fieldConfig": {"defaults": {"links": [_trace_link()], "custom": {"align": "auto"}},
                         "overrides": []},
         "options": {"showHeader": True, "sortBy": [{"displayName": "Duration", "desc": True}],
