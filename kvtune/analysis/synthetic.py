@@ -12,7 +12,9 @@ Everything is seeded; the same arguments give the same frame.
 """
 from __future__ import annotations
 
+import json
 import math
+import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
@@ -224,6 +226,8 @@ class SyntheticWorkload:
     turns: tuple[int, ...] = (1, 3, 5)
     """Turns per conversation, drawn uniformly from this tuple."""
     first_prompt_tokens: int = 2000
+    prompt_sigma: float = 0.5
+    """Spread of first-turn prompt lengths: lognormal sigma around ``first_prompt_tokens`` (0: fixed)."""
     turn_prompt_tokens: int = 300
     """New user tokens per later turn (the prompt is history + these)."""
     output_tokens: int = 100
@@ -286,7 +290,9 @@ def serving_spans(workload: SyntheticWorkload = SyntheticWorkload(), *,
             n_req += 1
             base = f"req-{n_req}"
             trace = ids.hex(32)
-            new_user = w.first_prompt_tokens if turn == 1 else w.turn_prompt_tokens
+            new_user = (max(1, int(round(w.first_prompt_tokens
+                                         * math.exp(rng.normal(0.0, w.prompt_sigma)))))
+                        if turn == 1 else w.turn_prompt_tokens)
             prompt = history + new_user
             out_tokens = w.output_tokens
             common = {sc.BASE_REQUEST_ID: base, sc.CONVERSATION_ID: conv, sc.TURN: turn,
@@ -424,3 +430,43 @@ class SyntheticCase:
         out = pd.concat([probe, serve], ignore_index=True)
         out.attrs.update(probe.attrs)
         return out
+
+
+def _otlp_value(v: object) -> dict:
+    if isinstance(v, Enum):
+        v = v.value
+    if isinstance(v, (bool, np.bool_)):
+        return {"boolValue": bool(v)}
+    if isinstance(v, (int, np.integer)):
+        return {"intValue": str(int(v))}
+    if isinstance(v, (float, np.floating)):
+        return {"doubleValue": float(v)}
+    return {"stringValue": str(v)}
+
+
+def write_otlp_json(spans: pd.DataFrame, path: str | os.PathLike[str]) -> int:
+    """Write a spans frame as OTLP-JSON lines (docs/contracts.md), one line per (service, host);
+    returns the number of spans written. Reading it back with ``kvtune.traces.load`` gives the
+    same spans (the round trip the CLI tests rely on)."""
+    lines = []
+    for (service, host), g in spans.groupby(["service", "host"], sort=True):
+        out = []
+        for r in g.itertuples(index=False):
+            parent = getattr(r, "parent_span_id")
+            out.append({
+                "traceId": r.trace_id, "spanId": r.span_id,
+                "parentSpanId": "" if pd.isna(parent) else str(parent), "name": r.name,
+                "kind": 1, "startTimeUnixNano": str(int(r.start_ns)),
+                "endTimeUnixNano": str(int(r.end_ns)),
+                "attributes": [{"key": k, "value": _otlp_value(v)} for k, v in r.attrs.items()
+                               if v is not None and not (isinstance(v, float) and math.isnan(v))],
+                "status": {"code": {"OK": 1, "ERROR": 2}.get(str(r.status), 0),
+                           "message": str(r.status_message or "")},
+            })
+        res = [{"key": sc.SERVICE_NAME, "value": {"stringValue": str(service)}},
+               {"key": sc.HOST_NAME, "value": {"stringValue": str(host)}}]
+        lines.append(json.dumps({"resourceSpans": [{"resource": {"attributes": res}, "scopeSpans": [
+            {"scope": {"name": "kvtune.synthetic"}, "spans": out}]}]}))
+    with open(path, "w", encoding="utf-8") as f:
+        f.write("\n".join(lines) + "\n")
+    return len(spans)

@@ -1,0 +1,240 @@
+"""Files vLLM and the router take as they are, written from a :class:`~kvtune.recommend.Tuning`.
+
+``write(tuning, out_dir)`` makes, all at once (a temporary directory renamed into place, so the
+directory appears complete or not at all):
+
+- ``prefill.kv-transfer-config.json``, ``decode.kv-transfer-config.json``: the ``--kv-transfer-config``
+  values (keys as vLLM 0.32's ``KVTransferConfig`` and NIXL connector read them:
+  ``kv_connector_extra_config.kv_recompute_threshold`` / ``decoder_kv_blocks_ttl`` /
+  ``bidirectional_kv_xfer``, see ``vllm/distributed/kv_transfer/kv_connector/v1/nixl/base_scheduler.py``);
+- ``prefill.vllm-serve.args``, ``decode.vllm-serve.args``: the arguments of ``vllm serve``, one per
+  line, no spaces inside (``mapfile -t A < prefill.vllm-serve.args; vllm serve "${A[@]}"``);
+- ``router.yaml``: the kvtune router's configuration (``kvtune.router.config`` keys);
+- ``recommendation.json``: values, ranges, evidence, findings, fit quality, provenance;
+- ``REPORT.md``: a short human summary.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Callable
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from kvtune import __version__
+from kvtune import spans as sc
+from kvtune.errors import ConfigError
+from kvtune.recommend.results import NEVER, Tuning
+from kvtune.recommend.ttl import router_margin_s
+
+FILES: tuple[str, ...] = (
+    "prefill.kv-transfer-config.json", "decode.kv-transfer-config.json",
+    "prefill.vllm-serve.args", "decode.vllm-serve.args", "router.yaml", "recommendation.json",
+    "REPORT.md",
+)
+"""Every file :func:`write` makes, in the order it makes them."""
+
+CONNECTORS: dict[tuple[str, str], str] = {
+    ("kvtune", sc.Mode.PULL.value): "KvtuneNixlPullConnector",
+    ("kvtune", sc.Mode.BIDIRECTIONAL.value): "KvtuneNixlPullConnector",
+    ("kvtune", sc.Mode.PUSH.value): "KvtuneNixlPushConnector",
+    ("vllm", sc.Mode.PULL.value): "NixlConnector",
+    ("vllm", sc.Mode.BIDIRECTIONAL.value): "NixlConnector",
+    ("vllm", sc.Mode.PUSH.value): "NixlPushConnector",
+}
+"""``kv_connector`` per (connector family, mode): kvtune's instrumented subclasses or vLLM's own."""
+KVTUNE_CONNECTOR_MODULE = "kvtune.connectors"
+NEVER_THRESHOLD_TOKENS = 2**31 - 1
+"""``kv_recompute_threshold`` written when reuse never pays: every history is below it (recompute)."""
+DEFAULT_PREFILL_URL = "http://PREFILL_HOST:8100"
+DEFAULT_DECODE_URL = "http://DECODE_HOST:8200"
+DEFAULT_SIDE_CHANNEL_PORT = 5600
+"""vLLM's default ``VLLM_NIXL_SIDE_CHANNEL_PORT`` (the router needs it in push mode)."""
+PREFILL_ENGINE_ID = "kvtune-prefill-0"
+"""Fixed prefill engine id: the push router names the prefill up front."""
+
+
+def threshold_tokens(tuning: Tuning) -> int:
+    """The ``kv_recompute_threshold`` to write (``NEVER`` -> :data:`NEVER_THRESHOLD_TOKENS`)."""
+    v = tuning.threshold.value
+    return NEVER_THRESHOLD_TOKENS if v == NEVER else int(v)
+
+
+def kv_transfer_configs(tuning: Tuning, *, connector: str = "kvtune",
+                        kv_buffer_device: str | None = None,
+                        extra: dict[str, Any] | None = None) -> dict[str, dict[str, Any]]:
+    """``{"prefill": {...}, "decode": {...}}``: the two ``--kv-transfer-config`` values."""
+    mode = str(tuning.mode.value)
+    if (connector, mode) not in CONNECTORS:
+        raise ConfigError(f"export: connector {connector!r} / mode {mode!r}: expected connector in "
+                          f"{sorted({c for c, _ in CONNECTORS})} and mode in "
+                          f"{sorted({m for _, m in CONNECTORS})}")
+    bidi = mode == sc.Mode.BIDIRECTIONAL.value
+    ttl = int(tuning.ttl.value)
+    out: dict[str, dict[str, Any]] = {}
+    for role, kv_role in (("prefill", "kv_producer"), ("decode", "kv_consumer")):
+        ex: dict[str, Any] = {"kv_recompute_threshold": threshold_tokens(tuning),
+                              "bidirectional_kv_xfer": bidi}
+        # vLLM's push connector also uses the TTL as its registration timeout: never write 0 there.
+        if bidi or ttl > 0:
+            ex["decoder_kv_blocks_ttl"] = ttl
+        ex.update(extra or {})
+        cfg: dict[str, Any] = {"kv_connector": CONNECTORS[(connector, mode)], "kv_role": kv_role,
+                               "kv_connector_extra_config": ex}
+        if connector == "kvtune":
+            cfg["kv_connector_module_path"] = KVTUNE_CONNECTOR_MODULE
+        if kv_buffer_device:
+            cfg["kv_buffer_device"] = kv_buffer_device
+        if role == "prefill" and mode == sc.Mode.PUSH.value:
+            cfg["engine_id"] = PREFILL_ENGINE_ID
+        out[role] = cfg
+    return out
+
+
+def serve_args(model: str, kv_config: dict[str, Any], *, port: int, geometry: Any = None,
+               extra_args: tuple[str, ...] = ()) -> list[str]:
+    """``vllm serve`` arguments (one token each; the JSON is compact, without spaces)."""
+    if not model or any(c.isspace() for c in model):
+        raise ConfigError(f"export: model: expected a model name or path without spaces, got {model!r}")
+    args = [model, "--port", str(int(port)),
+            "--kv-transfer-config", json.dumps(kv_config, separators=(",", ":"), sort_keys=True)]
+    if geometry is not None:
+        args += ["--block-size", str(int(geometry.block_size_tokens)),
+                 "--tensor-parallel-size", str(int(geometry.tp_size))]
+    args += list(extra_args)
+    bad = [a for a in args if any(c.isspace() for c in a)]
+    if bad:
+        raise ConfigError(f"export: serve arguments must not contain whitespace, got {bad[:3]}")
+    return args
+
+
+def router_config(tuning: Tuning, *, prefill_url: str, decode_url: str,
+                  side_channel_port: int = DEFAULT_SIDE_CHANNEL_PORT) -> dict[str, Any]:
+    """The router's configuration (``kvtune.router.config`` keys)."""
+    mode = str(tuning.mode.value)
+    prefill: dict[str, Any] = {"url": prefill_url}
+    if mode == sc.Mode.PUSH.value:
+        prefill.update(engine_id=PREFILL_ENGINE_ID, kv_port=int(side_channel_port))
+    cfg: dict[str, Any] = {"mode": mode, "prefill": [prefill], "decode": [{"url": decode_url}]}
+    ttl = float(tuning.ttl.value)
+    if mode == sc.Mode.BIDIRECTIONAL.value and ttl > 0:
+        cfg["decoder_ttl_s"] = ttl
+        cfg["margin_s"] = router_margin_s(ttl)
+    return cfg
+
+
+def _report(tuning: Tuning, model: str, files: dict[str, str]) -> str:
+    t, ttl, m = tuning.threshold, tuning.ttl, tuning.mode
+    fit = tuning.fit
+    lines = [
+        "# kvtune recommendation", "",
+        f"Trace: `{tuning.source}` ({tuning.span_count} spans). Model: `{model}`. "
+        f"kvtune {__version__}.", "",
+        "| setting | value | plausible range |", "|---|---|---|",
+        f"| mode | **{m.value}** | {m.range[0]} / {m.range[1]} |",
+        f"| kv_recompute_threshold | **{t.value}** {t.unit} | {t.range[0]} .. {t.range[1]} |",
+        f"| decoder_kv_blocks_ttl | **{ttl.value}** {ttl.unit} | {ttl.range[0]} .. {ttl.range[1]} |",
+        "",
+    ]
+    if fit is not None:
+        desc = (f", {fit.per_descriptor_us:.3g} us/descriptor" if fit.per_descriptor_us is not None
+                else "")
+        lines += [f"Fabric fit ({fit.n_transfers} transfers, {fit.n_sizes} sizes, R^2 {fit.r2:.3f}): "
+                  f"floor {fit.floor_ms:.3g} ms [{fit.floor_ci_ms[0]:.3g}, {fit.floor_ci_ms[1]:.3g}], "
+                  f"bandwidth {fit.bandwidth_gbps:.3g} Gbit/s [{fit.bandwidth_ci_gbps[0]:.3g}, "
+                  f"{fit.bandwidth_ci_gbps[1]:.3g}]{desc}.", ""]
+    ttft = m.evidence.get("expected_ttft_ms", {})
+    if ttft:
+        lines += [f"Expected TTFT ({m.evidence.get('model')} model):", ""]
+        lines += [f"- {mode}: p50 {v['p50']:.1f} ms, p99 {v['p99']:.1f} ms" for mode, v in ttft.items()]
+        lines.append("")
+    if t.value == NEVER:
+        lines += [f"Reuse never pays: `kv_recompute_threshold` is written as {NEVER_THRESHOLD_TOKENS} "
+                  f"(always recompute) and bidirectional transfer is off.", ""]
+    if tuning.findings:
+        lines += ["## Findings", ""]
+        lines += [f"- **{f.severity}** `{f.code}`: {f.message}" for f in tuning.findings]
+        lines.append("")
+    lines += ["## Apply", "",
+              "```sh",
+              f'mapfile -t A < {files["prefill_args"]}; vllm serve "${{A[@]}}"   # prefill host',
+              f'mapfile -t A < {files["decode_args"]}; vllm serve "${{A[@]}}"    # decode host',
+              "kvtune router --config router.yaml   # replace PREFILL_HOST / DECODE_HOST first",
+              "```", ""]
+    if m.value == sc.Mode.PUSH.value:
+        lines += [f"Push mode: start the prefill with `VLLM_NIXL_SIDE_CHANNEL_PORT` equal to "
+                  f"`kv_port` in router.yaml.", ""]
+    lines += ["Assumptions and evidence: `recommendation.json`.", ""]
+    return "\n".join(lines)
+
+
+def _write_text(d: Path, name: str, text: str) -> None:
+    with open(d / name, "w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def write(tuning: Tuning, out_dir: str | os.PathLike[str], *, geometry: Any = None,
+          model: str = "MODEL", prefill_url: str = DEFAULT_PREFILL_URL,
+          decode_url: str = DEFAULT_DECODE_URL, prefill_port: int = 8100, decode_port: int = 8200,
+          connector: str = "kvtune", kv_buffer_device: str | None = None,
+          side_channel_port: int = DEFAULT_SIDE_CHANNEL_PORT, overwrite: bool = False,
+          _before_commit: Callable[[Path], None] | None = None) -> Path:
+    """Write :data:`FILES` into ``out_dir`` atomically (see module doc) and return its path.
+
+    An existing ``out_dir`` is refused unless ``overwrite`` (then replaced whole). ``_before_commit``
+    is a test hook called with the filled temporary directory just before it is renamed.
+    """
+    out = Path(out_dir)
+    if out.exists() and not overwrite:
+        raise ConfigError(f"export: {out} exists; pass overwrite=True (--force) to replace it")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    kv = kv_transfer_configs(tuning, connector=connector, kv_buffer_device=kv_buffer_device)
+    args = {"prefill": serve_args(model, kv["prefill"], port=prefill_port, geometry=geometry),
+            "decode": serve_args(model, kv["decode"], port=decode_port, geometry=geometry)}
+    router = router_config(tuning, prefill_url=prefill_url, decode_url=decode_url,
+                           side_channel_port=side_channel_port)
+    rec = {
+        "kvtune_version": __version__, "convention": sc.CONVENTION_VERSION,
+        "generated_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "model": model, "trace_source": tuning.source, "span_count": tuning.span_count,
+        "fit_quality": ({"r2": tuning.fit.r2, "n_transfers": tuning.fit.n_transfers,
+                         "n_sizes": tuning.fit.n_sizes, "n_outliers": tuning.fit.n_outliers}
+                        if tuning.fit is not None else None),
+        "written": {"kv_recompute_threshold": threshold_tokens(tuning),
+                    "decoder_kv_blocks_ttl": int(tuning.ttl.value), "mode": str(tuning.mode.value),
+                    "connector": kv["prefill"]["kv_connector"]},
+        "recommendations": {r.name: r.as_dict() for r in (tuning.threshold, tuning.ttl, tuning.mode)},
+        **tuning.as_dict(),
+        "files": list(FILES),
+    }
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        _write_text(tmp, FILES[0], json.dumps(kv["prefill"], indent=2, sort_keys=True) + "\n")
+        _write_text(tmp, FILES[1], json.dumps(kv["decode"], indent=2, sort_keys=True) + "\n")
+        _write_text(tmp, FILES[2], "\n".join(args["prefill"]) + "\n")
+        _write_text(tmp, FILES[3], "\n".join(args["decode"]) + "\n")
+        _write_text(tmp, FILES[4], yaml.safe_dump(router, sort_keys=False))
+        _write_text(tmp, FILES[5], json.dumps(rec, indent=2, allow_nan=False) + "\n")
+        _write_text(tmp, FILES[6], _report(tuning, model, {"prefill_args": FILES[2],
+                                                           "decode_args": FILES[3]}))
+        os.chmod(tmp, 0o755)
+        if _before_commit is not None:
+            _before_commit(tmp)
+        if out.exists():
+            old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
+            os.rename(out, old / "dir")
+            os.rename(tmp, out)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.rename(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
