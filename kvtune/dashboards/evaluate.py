@@ -40,7 +40,7 @@ from kvtune.dashboards.traceql import (
     Attribute, BoolOp, Comparison, Field, FieldExpr, Intrinsic, MetricsAggregate, Not, Query,
     Select, SpansetFilter, SpansetOp, Static, Truthy, parse,
 )
-from kvtune import spans
+from kvtune import spans as convention
 from kvtune.errors import ConfigError
 
 SEARCH_COLUMNS: tuple[str, ...] = ("trace_id", "span_id", "name", "service", "start_ns", "duration_ms")
@@ -58,12 +58,12 @@ def evaluate(query: Query | str, spans: pd.DataFrame, *,
              step_s: float | None = None) -> pd.DataFrame:
     """Run one query over ``spans`` and return a new DataFrame (see the module doc for columns).
 
-    A string query is interpolated with ``variables`` (Grafana semantics) and parsed first.
-    ``step_s`` is the metrics bucket width in seconds; None makes one bucket over all spans.
+    A string query is interpolated with ``variables`` (Grafana semantics; a variable without a value
+    is a :class:`ConfigError`) and parsed first. ``all_values`` maps variables to their custom "All"
+    value. ``step_s`` is the metrics bucket width in seconds; None makes one bucket over all spans.
     """
     if isinstance(query, str):
-        text = interpolate(query, variables or {}, all_values=all_values) if variables is not None else query
-        query = parse(text)
+        query = parse(interpolate(query, variables or {}, all_values=all_values))
     missing = [c for c in REQUIRED_COLUMNS if c not in spans.columns]
     if missing:
         raise ConfigError(f"spans DataFrame: missing columns {missing} (expected the "
@@ -232,8 +232,8 @@ _NULLABLE = {int: "Int64", float: "Float64", str: "string", bool: "boolean"}
 def _typed(f: Field, values: list[object]) -> pd.api.extensions.ExtensionArray | list[object]:
     """A selected field's values: the convention's nullable dtype for its attributes, seconds for
     ``duration``, plain objects otherwise."""
-    if isinstance(f, Attribute) and f.name in spans.ATTRIBUTE_TYPES:
-        typ = spans.ATTRIBUTE_TYPES[f.name]
+    if isinstance(f, Attribute) and f.name in convention.ATTRIBUTE_TYPES:
+        typ = convention.ATTRIBUTE_TYPES[f.name]
         if all(v is None or (isinstance(v, typ) and not (typ is int and isinstance(v, bool))) for v in values):
             return pd.array([pd.NA if v is None else v for v in values], dtype=_NULLABLE[typ])
     if isinstance(f, Intrinsic) and f.name == "duration":
