@@ -56,3 +56,23 @@ def published_values(nb_json: dict) -> dict[str, Any]:
             if KVTUNE_MIME in data:
                 values.update(data[KVTUNE_MIME])
     return values
+
+
+def load_spans(source: str, **kwargs: Any):
+    """Load spans for a notebook; ``source`` may be several comma-separated sources."""
+    from kvtune.traces import load
+    parts = [s for s in str(source).split(",") if s] if "://" not in str(source) else [source]
+    if not parts:
+        from kvtune.errors import ConfigError
+        raise ConfigError("parameter 'traces': empty; give a file, directory, glob or Tempo URL")
+    return load(parts if len(parts) > 1 else parts[0], **kwargs)
+
+
+def geometry(model: str, tp_size: int = 1):
+    """A `KvGeometry` from a preset name or a local HF ``config.json`` path; None when ``model`` is ''."""
+    if not model:
+        return None
+    from kvtune import geometry as g
+    if model.endswith(".json") or os.path.sep in model:
+        return g.from_hf_config(model, tp_size)
+    return g.preset(model, tp_size)

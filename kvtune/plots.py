@@ -115,3 +115,91 @@ def table(rows: Sequence[dict[str, Any]], *, title: str = "") -> Any:
                              cells={"values": values, "align": "left"}))
     fig.update_layout(title=title, height=120 + 40 * max(len(rows), 1))
     return fig
+
+
+DEFAULT_THRESHOLD_TOKENS = 64
+"""vLLM's default ``kv_recompute_threshold`` (tokens), marked on the threshold figure."""
+
+
+def threshold_curve(tuning: Any, prefill: Any, *, max_tokens: int | None = None,
+                    title: str = "Recompute vs pull: where pulling history back pays") -> Any:
+    """Pull cost (floor + wire) and recompute cost over history length, break-even and its range."""
+    go = _go()
+    thr = tuning.threshold
+    ev = thr.evidence
+    c = float(ev["wire_ms_per_token"])
+    floor = float(ev["floor_ms"])
+    top = max_tokens or int(max(ev.get("max_context_tokens") or 0,
+                                (ev.get("break_even_tokens") or 0) * 2, 256))
+    xs = np.unique(np.geomspace(1, top, 120).astype(int))
+    fig = go.Figure()
+    fig.add_trace(go.Scatter(x=xs, y=[floor + x * c for x in xs], name="pull: floor + wire",
+                             line={"color": "#1f77b4"}))
+    fig.add_trace(go.Scatter(x=xs, y=[prefill.recompute_ms(x) for x in xs],
+                             name="recompute (measured prefill)", line={"color": "#d62728"}))
+    lo, hi = thr.range
+    if isinstance(lo, (int, float)) and isinstance(hi, (int, float)):
+        fig.add_vrect(x0=lo, x1=hi, fillcolor="rgba(0,0,0,0.1)", line_width=0,
+                      annotation_text="95% range", annotation_position="top left")
+    if isinstance(thr.value, (int, float)):
+        fig.add_vline(x=thr.value, line_color="black",
+                      annotation_text=f"recommended {thr.value}", annotation_position="top right")
+    fig.add_vline(x=DEFAULT_THRESHOLD_TOKENS, line_dash="dot", line_color="gray",
+                  annotation_text=f"vLLM default {DEFAULT_THRESHOLD_TOKENS}",
+                  annotation_position="bottom right")
+    fig.update_layout(title=title, xaxis_type="log", xaxis_title="history tokens (R)",
+                      yaxis_title="ms", yaxis_type="log")
+    return fig
+
+
+def gap_histogram(gaps_s: Sequence[float], *, ttl_s: float | None = None,
+                  router_ttl_s: float | None = None,
+                  title: str = "Inter-turn gaps (next turn start - previous turn end)") -> Any:
+    go = _go()
+    fig = go.Figure(go.Histogram(x=list(gaps_s), nbinsx=40, name="gaps"))
+    if ttl_s is not None:
+        fig.add_vline(x=ttl_s, line_color="black", annotation_text=f"TTL {ttl_s:g} s")
+    if router_ttl_s is not None:
+        fig.add_vline(x=router_ttl_s, line_dash="dot", annotation_text=f"router {router_ttl_s:g} s",
+                      annotation_position="bottom right")
+    fig.update_layout(title=title, xaxis_title="seconds", yaxis_title="count")
+    return fig
+
+
+def ttl_curves(ttls_s: Sequence[float], captured: Sequence[float], held_gb: Sequence[float], *,
+               budget_gb: float, chosen_s: float, router_s: float | None = None,
+               title: str = "Reuse captured and decode memory held vs TTL") -> Any:
+    """Captured share of reusable history (left axis) and HBM held (right axis) as functions of TTL."""
+    go = _go()
+    fig = go.Figure()
+    fig.add_trace(go.Scatter(x=list(ttls_s), y=list(captured), name="reuse captured (share)",
+                             yaxis="y"))
+    fig.add_trace(go.Scatter(x=list(ttls_s), y=list(held_gb), name="HBM held (GB)", yaxis="y2",
+                             line={"dash": "dash"}))
+    fig.add_trace(go.Scatter(x=[min(ttls_s), max(ttls_s)], y=[budget_gb, budget_gb], yaxis="y2",
+                             name=f"budget {budget_gb:g} GB", mode="lines",
+                             line={"color": "gray", "dash": "dot"}))
+    fig.add_vline(x=chosen_s, line_color="black", annotation_text=f"chosen {chosen_s:g} s")
+    if router_s is not None:
+        fig.add_vline(x=router_s, line_dash="dot", annotation_text=f"router {router_s:g} s",
+                      annotation_position="bottom right")
+    fig.update_layout(title=title, xaxis_title="decoder_kv_blocks_ttl (s)",
+                      yaxis={"title": "share of reusable history", "range": [0, 1.05]},
+                      yaxis2={"title": "GB", "overlaying": "y", "side": "right"})
+    return fig
+
+
+def mode_ttft(expected: dict[str, dict[str, float]], *, chosen: str, excluded: dict | None = None,
+              title: str = "Expected TTFT per mode on this traffic") -> Any:
+    go = _go()
+    modes = list(expected)
+    fig = go.Figure()
+    for q, color in (("p50", "#1f77b4"), ("p99", "#ff7f0e")):
+        fig.add_trace(go.Bar(x=modes, y=[expected[m][q] for m in modes], name=q,
+                             marker_color=color))
+    labels = [f"{m}{' (chosen)' if m == chosen else ''}"
+              f"{' — excluded: ' + excluded[m] if excluded and m in excluded else ''}"
+              for m in modes]
+    fig.update_xaxes(ticktext=labels, tickvals=modes)
+    fig.update_layout(barmode="group", title=title, yaxis_title="TTFT (ms)")
+    return fig

@@ -53,6 +53,7 @@ def run(args: argparse.Namespace) -> int:
           f"({result.source_kind})")
     print(f"  report:          {result.report_html}")
     print(f"  recommendation:  {result.recommendation_json}")
+    print(f"  configs:         {result.out_dir / 'configs'}")
     print(f"  notebooks:       {result.out_dir / 'notebooks'}")
     if result.recommendation_json.exists():
         rec = json.loads(result.recommendation_json.read_text())

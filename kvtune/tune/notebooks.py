@@ -50,8 +50,11 @@ def run_notebook(name: str, out_dir: Path, parameters: dict[str, Any], *,
 
     Published values (`kvtune.nb.publish`) go into the executed notebook's ``metadata.kvtune``.
     A failing cell raises `NotebookFailed` after papermill wrote the notebook with the error."""
+    import logging
+
     import nbformat
     import papermill
+    logging.getLogger("papermill").setLevel(logging.WARNING)
     from papermill.exceptions import PapermillExecutionError
 
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -70,7 +70,7 @@ def run_tune(traces: str | None = None, out_dir: str | Path = "out/tune", *,
     report = write_report(out / "report.html", figures, title="kvtune tuning report",
                           source=f"{source_desc} ({source_kind})", values=values,
                           notebooks=list(notebooks))
-    rec = out / "recommendation.json"
+    rec = out / "configs" / "recommendation.json"
     if rec.exists():
         data = json.loads(rec.read_text())
         data.setdefault("trace_source_kind", source_kind)

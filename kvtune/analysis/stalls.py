@@ -1,0 +1,136 @@
+"""Which phase holds a stalled request's time: stalled requests next to fast ones, per phase.
+
+A request's time (``kv.request`` when a router traced it, else its transfers' span) is split into
+the transfer phases (columns of the transfers table), the prefill (``kv.prefill``) and what no span
+covers (``uncovered_ms``: queueing, HTTP, scheduling that nothing instruments). The phase whose median
+grows most between fast and stalled requests is named as the one holding the stall.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from kvtune import spans as S
+from kvtune.errors import AnalysisError
+
+STALL_MS = 1000.0
+"""A request slower than this is stalled (the issue's yardstick: 'share of requests over 1 s')."""
+
+PHASE_COLS = tuple(S.PHASE_COLUMNS[p] for p in S.PHASES)
+EXTRA_COLS = ("prefill_ms", "uncovered_ms")
+
+
+@dataclass(frozen=True)
+class StallDiagnosis:
+    """Per-request phase split of stalled vs fast requests.
+
+    ``table``: one row per request (trace) with ``request_ms``, each phase column, ``stalled``.
+    ``phase_excess_ms``: median(stalled) - median(fast) per phase. ``dominant_phase``: the phase with
+    the largest excess (None when nothing stalled). ``slow_trace``/``fast_trace``: examples."""
+
+    table: pd.DataFrame
+    stalled_share: float
+    n_requests: int
+    n_stalled: int
+    p50_ms: float
+    p99_ms: float
+    dominant_phase: str | None
+    phase_excess_ms: dict[str, float] = field(default_factory=dict)
+    slow_trace: str | None = None
+    fast_trace: str | None = None
+    threshold_ms: float = STALL_MS
+
+    @property
+    def summary(self) -> str:
+        if self.n_requests == 0:
+            return "no requests"
+        head = (f"{self.n_stalled} of {self.n_requests} requests over {self.threshold_ms:g} ms "
+                f"({self.stalled_share:.0%}); p50 {self.p50_ms:.0f} ms, p99 {self.p99_ms:.0f} ms")
+        if self.dominant_phase is None:
+            return head + "; nothing stalled"
+        return (head + f"; the stalled time is in {self.dominant_phase.removesuffix('_ms')} "
+                f"(+{self.phase_excess_ms[self.dominant_phase]:.0f} ms median over fast requests)")
+
+
+def _request_times(spans: pd.DataFrame, tx: pd.DataFrame) -> pd.DataFrame:
+    req = spans[spans["name"] == S.SpanName.REQUEST.value] if len(spans) else spans
+    if len(req):
+        out = req.groupby("trace_id").agg(start_ns=("start_ns", "min"), end_ns=("end_ns", "max"))
+    elif len(tx):
+        out = tx.groupby("trace_id").agg(start_ns=("start_ns", "min"), end_ns=("end_ns", "max"))
+    else:
+        raise AnalysisError("stall diagnosis: no kv.request spans and no transfers in the trace")
+    out["request_ms"] = (out["end_ns"] - out["start_ns"]).astype(float) / 1e6
+    return out
+
+
+def stall_diagnosis(tx: pd.DataFrame, spans: pd.DataFrame | None = None, *,
+                    threshold_ms: float = STALL_MS) -> StallDiagnosis:
+    """Split each request's time by phase and name the phase that holds the stalls."""
+    spans = spans if spans is not None else pd.DataFrame(columns=["name", "trace_id"])
+    req = _request_times(spans, tx)
+    cols = [c for c in PHASE_COLS if c in tx.columns]
+    per = (tx.groupby("trace_id")[cols].sum(min_count=1).astype(float) if len(tx)
+           else pd.DataFrame(columns=cols, dtype=float))
+    table = req.join(per, how="left")
+    pre = spans[spans["name"] == S.SpanName.PREFILL.value] if len(spans) else spans
+    table["prefill_ms"] = (pre.groupby("trace_id")["duration_ms"].sum().astype(float)
+                           if len(pre) else np.nan)
+    covered = table[cols + ["prefill_ms"]].fillna(0).sum(axis=1)
+    table["uncovered_ms"] = (table["request_ms"] - covered).clip(lower=0)
+    table["stalled"] = table["request_ms"] > threshold_ms
+    table = table.sort_values("request_ms")
+    n = len(table)
+    n_st = int(table["stalled"].sum())
+    excess: dict[str, float] = {}
+    dominant = None
+    if n_st and n_st < n:
+        st, fast = table[table["stalled"]], table[~table["stalled"]]
+        for c in cols + list(EXTRA_COLS):
+            a, b = st[c].astype(float).median(), fast[c].astype(float).median()
+            a = 0.0 if np.isnan(a) else a
+            b = 0.0 if np.isnan(b) else b
+            excess[c] = float(a - b)
+        dominant = max(excess, key=excess.get)
+    elif n_st:
+        st = table[table["stalled"]]
+        for c in cols + list(EXTRA_COLS):
+            v = st[c].astype(float).median()
+            excess[c] = 0.0 if np.isnan(v) else float(v)
+        dominant = max(excess, key=excess.get)
+    rq = table["request_ms"].astype(float)
+    return StallDiagnosis(
+        table=table.reset_index(), stalled_share=n_st / n if n else 0.0, n_requests=n,
+        n_stalled=n_st, p50_ms=float(rq.median()) if n else float("nan"),
+        p99_ms=float(rq.quantile(0.99)) if n else float("nan"), dominant_phase=dominant,
+        phase_excess_ms=excess,
+        slow_trace=str(table.index[-1]) if n_st else None,
+        fast_trace=str(table.index[0]) if n_st < n and n else None, threshold_ms=threshold_ms)
+
+
+def side_by_side_figure(diag: StallDiagnosis) -> Any:
+    """Stacked bars: the slowest stalled request next to the fastest one, and the medians."""
+    import plotly.graph_objects as go
+
+    from kvtune.plots import PHASE_COLORS
+
+    t = diag.table.set_index("trace_id")
+    rows: list[tuple[str, pd.Series]] = []
+    if diag.slow_trace:
+        rows.append((f"slowest ({t.loc[diag.slow_trace, 'request_ms']:.0f} ms)", t.loc[diag.slow_trace]))
+    if diag.fast_trace:
+        rows.append((f"fastest ({t.loc[diag.fast_trace, 'request_ms']:.0f} ms)", t.loc[diag.fast_trace]))
+    for label, sel in (("median stalled", t[t["stalled"]]), ("median fast", t[~t["stalled"]])):
+        if len(sel):
+            rows.append((label, sel.drop(columns=["stalled"]).astype(float).median()))
+    fig = go.Figure()
+    for c in [c for c in PHASE_COLS if c in t.columns] + list(EXTRA_COLS):
+        fig.add_trace(go.Bar(x=[r[0] for r in rows],
+                             y=[0.0 if pd.isna(r[1].get(c)) else float(r[1].get(c)) for r in rows],
+                             name=c.removesuffix("_ms"), marker_color=PHASE_COLORS.get(c)))
+    fig.update_layout(barmode="stack", yaxis_title="ms",
+                      title="Stalled vs fast requests: " + diag.summary)
+    return fig

@@ -1,0 +1,58 @@
+"""The data behind each notebook figure, computed from analysis results (so notebooks stay thin)."""
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from kvtune.errors import AnalysisError
+
+log = logging.getLogger(__name__)
+
+
+def fits_by_fabric(tx: pd.DataFrame, *, seed: int = 0) -> dict[str, Any]:
+    """One floor fit per fabric (and mode group: probe transfers apart from serving ones).
+
+    A group the fit cannot support is reported as the AnalysisError's message instead of a fit."""
+    from kvtune.analysis import fit_floor
+
+    out: dict[str, Any] = {}
+    if tx.empty:
+        return out
+    fabric = tx["fabric"].astype("object").where(tx["fabric"].notna(), "(unnamed)")
+    is_probe = (tx["mode"].astype("object") == "probe").to_numpy(dtype=bool)
+    kind = np.where(is_probe, "probe", "serving")
+    for (fab, k), grp in tx.groupby([fabric.to_numpy(), kind]):
+        key = f"{fab} ({k})"
+        try:
+            out[key] = fit_floor(grp.assign(fabric=fab), seed=seed, fabric=fab)
+        except AnalysisError as exc:
+            out[key] = str(exc)
+    return out
+
+
+def ttl_curve(tuning: Any, workload: Any, *, points: int = 60) -> dict[str, Any]:
+    """Captured reuse and HBM held over a TTL grid, from the workload's gaps (see recommend.ttl)."""
+    from kvtune.recommend.ttl import captured_share, retained_gb
+
+    gaps = np.asarray(workload.gaps_s, dtype=float)
+    toks = (np.asarray(workload.gap_tokens, dtype=float) if workload.gap_tokens
+            else np.zeros(len(gaps)))
+    finals = np.asarray(workload.final_tokens, dtype=float)
+    bpt = float(tuning.extra.get("bytes_per_token") or 0.0)
+    thr = tuning.threshold.value
+    thr_tokens = float(thr) if isinstance(thr, (int, float)) else float("inf")
+    chosen = float(tuning.ttl.value)
+    top = max(chosen * 1.5, float(gaps.max()) * 1.5 if len(gaps) else 0.0, 10.0)
+    grid = np.linspace(0.0, top, points)
+    captured = [captured_share(t, gaps, toks, thr_tokens) for t in grid]
+    held = [retained_gb(t, gaps, toks, finals, bpt, workload.duration_s) for t in grid]
+    return {"ttls_s": grid.tolist(), "captured": captured, "held_gb": held, "chosen_s": chosen,
+            "router_s": tuning.ttl.evidence.get("router_params_ttl_s")}
+
+
+def findings_rows(tuning: Any) -> list[dict[str, str]]:
+    return [{"code": f.code, "severity": f.severity, "message": f.message}
+            for f in tuning.findings]
