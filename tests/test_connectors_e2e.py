@@ -1,0 +1,234 @@
+"""End to end: a real vLLM prefill/decode pair on CPU with kvtune's connectors, in pull, push and
+bidirectional mode. Each test checks that the KV moved (the decode did not compute the prompt),
+that the output equals a single-instance run with the same seed, and that the span files hold every
+phase of each transfer in one trace.
+
+Run with ``flock /tmp/kvt/vllm.lock pytest -m vllm tests/test_connectors_e2e.py`` (one vLLM
+workload at a time on a shared machine). One pair per mode per module; each starts in ~30-90 s.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+import pytest
+
+from kvtune import spans
+from kvtune.connectors.ids import derived_span_context
+
+pytestmark = pytest.mark.vllm
+
+pytest.importorskip("vllm")
+from kvtune.local.pair import LocalPair, PairResult, SingleServer  # noqa: E402
+from kvtune.traces import load  # noqa: E402
+
+S = spans.SpanName
+FAST_EXPORT_ENV = {"OTEL_BSP_SCHEDULE_DELAY": "100"}
+"""vLLM kills its engine processes at shutdown without flushing: export spans every 100 ms."""
+SPANS_WAIT_S = 120.0
+"""Bound on waiting for a transfer's spans to reach the files (busy 2-core machine)."""
+MAX_TOKENS = 8
+PROMPT = tuple(range(20, 116))       # 96 tokens: several blocks
+PROMPT_2 = tuple(range(300, 380))    # another request, to check the handshake is not repeated
+TURN2_EXTRA = tuple(range(500, 540))  # appended to turn 1's prompt + output in bidirectional mode
+
+PULL_PHASES = (S.PREFILL, S.DESCRIPTOR_SETUP, S.RDMA, S.NOTIFY, S.DECODE_START)
+PUSH_PHASES = (S.PREFILL, S.REGISTRATION, S.RENDEZVOUS, S.DESCRIPTOR_SETUP, S.RDMA, S.NOTIFY,
+               S.DECODE_START)
+REVERSE_PHASES = (S.REUSE_DECISION, S.DESCRIPTOR_SETUP, S.RDMA, S.NOTIFY, S.RETENTION)
+
+
+# --- fixtures ---------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("connectors-e2e")
+
+
+@pytest.fixture(scope="module")
+def reference(workdir: Path) -> dict[tuple[int, ...], tuple[int, ...]]:
+    """Single-instance outputs (same model, seed, greedy) for every prompt the tests send."""
+    prompts = [PROMPT, PROMPT_2]
+    out: dict[tuple[int, ...], tuple[int, ...]] = {}
+    with SingleServer(workdir=workdir / "single") as single:
+        for p in prompts:
+            out[p] = single.complete(list(p), MAX_TOKENS).token_ids
+        turn1 = PROMPT + out[PROMPT]
+        turn2 = turn1 + TURN2_EXTRA
+        out[turn2] = single.complete(list(turn2), MAX_TOKENS).token_ids
+    return out
+
+
+def _pair(mode: str, workdir: Path) -> Iterator[LocalPair]:
+    with LocalPair(mode, connector="kvtune", workdir=workdir / mode / "work",
+                   spans_dir=workdir / mode / "spans", extra_env=FAST_EXPORT_ENV) as pair:
+        yield pair
+
+
+@pytest.fixture(scope="module")
+def pull_pair(workdir: Path, reference: Any) -> Iterator[LocalPair]:
+    yield from _pair("pull", workdir)
+
+
+@pytest.fixture(scope="module")
+def push_pair(workdir: Path, reference: Any) -> Iterator[LocalPair]:
+    yield from _pair("push", workdir)
+
+
+@pytest.fixture(scope="module")
+def bidi_pair(workdir: Path, reference: Any) -> Iterator[LocalPair]:
+    yield from _pair("bidirectional", workdir)
+
+
+# --- helpers ----------------------------------------------------------------------------------
+def _phase_spans(spans_dir: Path, transfer_id: str, phases: tuple[S, ...],
+                 logs: Any) -> pd.DataFrame:
+    """The spans of ``transfer_id`` once every phase is there (bounded wait)."""
+    deadline = time.monotonic() + SPANS_WAIT_S
+    seen: set[str] = set()
+    while True:
+        if any(spans_dir.glob("*.jsonl")):
+            df = load(spans_dir)
+            mine = df[df[spans.TRANSFER_ID] == transfer_id]
+            seen = set(mine["name"])
+            if {p.value for p in phases} <= seen:
+                return mine
+        if time.monotonic() > deadline:
+            raise AssertionError(f"spans of {transfer_id}: expected phases "
+                                 f"{sorted(p.value for p in phases)}, found {sorted(seen)}\n{logs()}")
+        time.sleep(0.5)
+
+
+def _assert_one_trace(df: pd.DataFrame, phases: tuple[S, ...], trace_id: str) -> None:
+    for phase in phases:
+        rows = df[df["name"] == phase.value]
+        assert len(rows) >= 1, phase
+        assert set(rows["trace_id"]) == {trace_id}, (phase, set(rows["trace_id"]))
+        assert (rows["status"] != "ERROR").all(), rows[["name", "status", "status_message"]]
+
+
+def _derived_trace(base: str) -> str:
+    return f"{derived_span_context(base).trace_id:032x}"
+
+
+def _decode_computed(pair: LocalPair) -> tuple[int, int]:
+    s = pair.decode_prompt_sources()
+    return s.local_compute_tokens, s.external_kv_transfer_tokens
+
+
+def _run(pair: LocalPair, prompt: tuple[int, ...], rid: str, **kw: Any) -> tuple[PairResult, int, int]:
+    computed0, external0 = _decode_computed(pair)
+    result = pair.complete(list(prompt), MAX_TOKENS, request_id=rid, **kw)
+    computed1, external1 = _decode_computed(pair)
+    return result, computed1 - computed0, external1 - external0
+
+
+def _assert_kv_moved(prompt: tuple[int, ...], computed: int, external: int) -> None:
+    # The decode loaded (nearly) the whole prompt and computed at most the last token itself.
+    assert external >= len(prompt) - 1, (computed, external)
+    assert computed <= 1, (computed, external)
+
+
+# --- tests ------------------------------------------------------------------------------------
+def test_pull_moves_kv_matches_single_instance_and_traces_every_phase(
+        pull_pair: LocalPair, reference: dict, workdir: Path) -> None:
+    result, computed, external = _run(pull_pair, PROMPT, "e2e-pull-1")
+    assert result.token_ids == reference[PROMPT]
+    _assert_kv_moved(PROMPT, computed, external)
+
+    tid = spans.transfer_id("e2e-pull-1", spans.Direction.FORWARD)
+    df = _phase_spans(workdir / "pull" / "spans", tid, PULL_PHASES, pull_pair.logs)
+    _assert_one_trace(df, PULL_PHASES, _derived_trace("e2e-pull-1"))
+    by = {n: g for n, g in df.groupby("name")}
+    prefill = by[S.PREFILL.value].iloc[0]
+    assert prefill[spans.PROMPT_TOKENS] == len(PROMPT)
+    assert prefill[spans.CACHED_TOKENS] + prefill[spans.COMPUTED_TOKENS] == len(PROMPT)
+    assert set(by[S.PREFILL.value]["service"]) == {spans.service_name(spans.Role.PREFILL)}
+    assert set(by[S.NOTIFY.value][spans.ROLE]) == {spans.Role.PREFILL.value}
+    rdma = by[S.RDMA.value]
+    assert set(rdma[spans.NIXL_OP]) == {spans.NixlOp.READ.value}
+    assert (rdma[spans.BYTES] > 0).all() and (rdma[spans.NIXL_XFER_US] >= 0).all()
+    assert set(rdma[spans.ROLE]) == {spans.Role.DECODE.value}
+    assert set(df[spans.MODE]) == {spans.Mode.PULL.value}
+
+
+def test_pull_joins_the_callers_trace_and_handshakes_only_once(
+        pull_pair: LocalPair, reference: dict, workdir: Path) -> None:
+    traceparent = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+    result, computed, external = _run(pull_pair, PROMPT_2, "e2e-pull-2", traceparent=traceparent)
+    assert result.token_ids == reference[PROMPT_2]
+    _assert_kv_moved(PROMPT_2, computed, external)
+    tid = spans.transfer_id("e2e-pull-2", spans.Direction.FORWARD)
+    df = _phase_spans(workdir / "pull" / "spans", tid, PULL_PHASES, pull_pair.logs)
+    _assert_one_trace(df, PULL_PHASES, "4bf92f3577b34da6a3ce929d0e0e4736")
+    assert set(df["parent_span_id"]) == {"00f067aa0ba902b7"}
+    all_spans = load(workdir / "pull" / "spans")
+    # The NIXL handshake happened once (the pair's warm-up), not per request.
+    assert (all_spans["name"] == S.HANDSHAKE.value).sum() == 1
+
+
+def test_push_moves_kv_matches_single_instance_and_traces_every_phase(
+        push_pair: LocalPair, reference: dict, workdir: Path) -> None:
+    result, computed, external = _run(push_pair, PROMPT, "e2e-push-1")
+    assert result.token_ids == reference[PROMPT]
+    _assert_kv_moved(PROMPT, computed, external)
+
+    tid = spans.transfer_id("e2e-push-1", spans.Direction.FORWARD)
+    df = _phase_spans(workdir / "push" / "spans", tid, PUSH_PHASES, push_pair.logs)
+    _assert_one_trace(df, PUSH_PHASES, _derived_trace("e2e-push-1"))
+    by = {n: g for n, g in df.groupby("name")}
+    assert set(by[S.RDMA.value][spans.NIXL_OP]) == {spans.NixlOp.WRITE.value}
+    assert set(by[S.RDMA.value][spans.ROLE]) == {spans.Role.PREFILL.value}
+    assert set(by[S.REGISTRATION.value][spans.ROLE]) == {spans.Role.DECODE.value}
+    assert set(by[S.NOTIFY.value][spans.ROLE]) == {spans.Role.DECODE.value}
+    first = set(by[S.RENDEZVOUS.value][spans.FIRST_ARRIVAL])
+    assert first <= {a.value for a in spans.FirstArrival} and len(first) == 1
+    assert set(df[spans.MODE]) == {spans.Mode.PUSH.value}
+
+
+def test_bidirectional_two_turns_reuse_the_history_and_trace_both_transfers(
+        bidi_pair: LocalPair, reference: dict, workdir: Path) -> None:
+    spans_dir = workdir / "bidirectional" / "spans"
+    r1, computed, external = _run(bidi_pair, PROMPT, "e2e-bidi-t1", conversation="conv-e2e")
+    assert r1.token_ids == reference[PROMPT]
+    _assert_kv_moved(PROMPT, computed, external)
+    assert r1.decode_kv_transfer_params and r1.decode_kv_transfer_params.get(
+        spans.KV_PARAMS_RETAINED_TRACEPARENT)
+
+    turn2 = PROMPT + r1.token_ids + TURN2_EXTRA
+    p0 = bidi_pair.prefill_prompt_sources()
+    r2, computed2, external2 = _run(bidi_pair, turn2, "e2e-bidi-t2", conversation="conv-e2e")
+    p1 = bidi_pair.prefill_prompt_sources()
+    assert r2.token_ids == reference[turn2]
+    _assert_kv_moved(turn2, computed2, external2)
+    # The prefill pulled turn 1's history back from the decode instead of recomputing it.
+    assert p1.external_kv_transfer_tokens - p0.external_kv_transfer_tokens >= len(PROMPT)
+
+    # Turn 1's forward transfer and the reverse transfer of its retained KV: turn 1's trace.
+    fwd1 = _phase_spans(spans_dir, spans.transfer_id("e2e-bidi-t1", spans.Direction.FORWARD),
+                        PULL_PHASES, bidi_pair.logs)
+    _assert_one_trace(fwd1, PULL_PHASES, _derived_trace("e2e-bidi-t1"))
+    rev = _phase_spans(spans_dir, spans.transfer_id("e2e-bidi-t1", spans.Direction.REVERSE),
+                       REVERSE_PHASES, bidi_pair.logs)
+    _assert_one_trace(rev, REVERSE_PHASES, _derived_trace("e2e-bidi-t1"))
+    by = {n: g for n, g in rev.groupby("name")}
+    decision = by[S.REUSE_DECISION.value].iloc[0]
+    assert decision[spans.REUSE_OUTCOME] == spans.ReuseOutcome.PULL.value
+    assert decision[spans.REUSE_REMOTE_TOKENS] >= len(PROMPT)
+    assert decision[spans.REUSE_THRESHOLD_TOKENS] >= 0
+    retention = by[S.RETENTION.value].iloc[0]
+    assert retention[spans.RETENTION_OUTCOME] == spans.RetentionOutcome.REUSED.value
+    assert retention[spans.RETENTION_TTL_S] > 0
+    assert set(by[S.RDMA.value][spans.ROLE]) == {spans.Role.PREFILL.value}
+    assert set(by[S.NOTIFY.value][spans.ROLE]) == {spans.Role.DECODE.value}
+    assert set(rev[spans.MODE]) == {spans.Mode.BIDIRECTIONAL.value}
+
+    # Turn 2's own forward transfer: turn 2's trace; its prefill reused the pulled history.
+    fwd2 = _phase_spans(spans_dir, spans.transfer_id("e2e-bidi-t2", spans.Direction.FORWARD),
+                        PULL_PHASES, bidi_pair.logs)
+    _assert_one_trace(fwd2, PULL_PHASES, _derived_trace("e2e-bidi-t2"))
+    prefill2 = fwd2[fwd2["name"] == S.PREFILL.value].iloc[0]
+    assert prefill2[spans.PROMPT_TOKENS] == len(turn2)
+    assert prefill2[spans.CACHED_TOKENS] >= len(PROMPT)
