@@ -93,11 +93,22 @@ def test_one_size_only_says_what_to_add():
     assert "3 each at 2 new distinct size(s)" in msg and "16384 B" in msg
 
 
-def test_too_few_points_per_size_says_which():
+def test_two_sizes_say_which_to_top_up_and_add():
     with pytest.raises(AnalysisError) as e:
-        fit_floor_points([1000, 1000, 1000, 2000, 2000, 3000], None, [1, 1, 1, 2, 2, 3])
+        fit_floor_points([1000, 1000, 1000, 2000], None, [1, 1, 1, 2])
     msg = str(e.value)
-    assert "1 more at 2000 B" in msg and "2 more at 3000 B" in msg
+    assert "2 more at 2000 B" in msg and "3 each at 1 new distinct size(s) (e.g. 8000 B)" in msg
+
+
+def test_enough_sizes_but_too_few_points_says_how_many():
+    with pytest.raises(AnalysisError, match="add 6 more transfer"):
+        fit_floor_points([1000, 2000, 3000], None, [1, 2, 3])
+
+
+def test_many_sizes_one_each_fit():
+    b = np.arange(1, 13) * 1e6
+    f = fit_floor_points(b, None, 1.0 + b / 1e6, n_boot=10)
+    assert f.floor_ms == pytest.approx(1.0, abs=1e-6) and f.n_sizes == 12
 
 
 def test_time_not_growing_with_bytes_is_an_error():

@@ -30,7 +30,9 @@ from kvtune.errors import AnalysisError
 MIN_SIZES = 3
 """Distinct transfer sizes needed: two points fix a line, the third shows whether it is one."""
 MIN_POINTS_PER_SIZE = 3
-"""Transfers needed at each size, so one outlier cannot decide a size's time."""
+"""Transfers asked for at each new size, so one outlier cannot decide a size's time."""
+MIN_POINTS = MIN_SIZES * MIN_POINTS_PER_SIZE
+"""Transfers needed in all."""
 HUBER_K = 1.345
 """Huber tuning constant (95% efficiency under normal noise)."""
 IRLS_MAX_ITER = 50
@@ -133,27 +135,28 @@ def _descriptors_identifiable(b: np.ndarray, d: np.ndarray) -> bool:
 
 
 def _check_design(b: np.ndarray) -> None:
-    """Raise unless >= MIN_SIZES sizes have >= MIN_POINTS_PER_SIZE transfers; say what to add."""
+    """Raise unless there are >= MIN_SIZES distinct sizes and >= MIN_POINTS transfers; say what to
+    add (a probe sweep has few sizes with many repeats, a serving trace many sizes with one each:
+    both fit)."""
     sizes, counts = np.unique(b, return_counts=True)
-    n_enough = int(np.sum(counts >= MIN_POINTS_PER_SIZE))
-    if n_enough >= MIN_SIZES:
+    if len(sizes) >= MIN_SIZES and len(b) >= MIN_POINTS:
         return
-    need = MIN_SIZES - n_enough
-    # Cheapest way out: top up the sizes that are closest to enough points, then add new sizes.
-    short = sorted(((int(s), int(c)) for s, c in zip(sizes, counts) if c < MIN_POINTS_PER_SIZE),
-                   key=lambda sc: -sc[1])[:need]
-    todo = [f"{MIN_POINTS_PER_SIZE - c} more at {s} B" for s, c in short]
-    new_sizes = need - len(short)
-    if new_sizes > 0:
+    todo: list[str] = []
+    need_sizes = MIN_SIZES - len(sizes)
+    if need_sizes > 0:
+        todo += [f"{MIN_POINTS_PER_SIZE - int(c)} more at {int(s)} B"
+                 for s, c in zip(sizes, counts) if c < MIN_POINTS_PER_SIZE]
         top = int(sizes.max()) if len(sizes) else 0
-        hint = (" (e.g. " + " and ".join(f"{top * 4 ** (k + 1)} B" for k in range(new_sizes)) + ")"
+        hint = (" (e.g. " + " and ".join(f"{top * 4 ** (k + 1)} B" for k in range(need_sizes)) + ")"
                 if top > 0 else "")
-        todo.append(f"{MIN_POINTS_PER_SIZE} each at {new_sizes} new distinct size(s){hint}")
+        todo.append(f"{MIN_POINTS_PER_SIZE} each at {need_sizes} new distinct size(s){hint}")
+    else:
+        todo.append(f"{MIN_POINTS - len(b)} more transfer(s) at these or other sizes")
     have = ", ".join(f"{int(s)} B x{int(c)}" for s, c in zip(sizes, counts)) or "none"
     raise AnalysisError(
         f"cannot fit floor and bandwidth: {len(b)} transfer(s) at {len(sizes)} distinct size(s) "
-        f"[{have}]; need >= {MIN_POINTS_PER_SIZE} transfers at each of >= {MIN_SIZES} distinct "
-        f"sizes: add {'; '.join(todo)}")
+        f"[{have[:400]}]; need >= {MIN_SIZES} distinct sizes and >= {MIN_POINTS} transfers: "
+        f"add {'; '.join(todo)}")
 
 
 def _params(beta: np.ndarray, with_desc: bool) -> tuple[float, float, float | None]:
@@ -182,9 +185,9 @@ def fit_floor_points(bytes: Sequence[float] | np.ndarray,  # noqa: A002 - unit n
     """Fit ``ms ~ floor + bytes/bandwidth + descriptors*per_descriptor`` robustly (see module doc).
 
     ``descriptors`` may be ``None`` (no descriptor term). Raises :class:`AnalysisError` when there
-    are fewer than ``MIN_SIZES`` distinct sizes with ``MIN_POINTS_PER_SIZE`` transfers each (saying
-    how many more of which sizes are needed), on non-finite or negative inputs, or when time does
-    not grow with bytes.
+    are fewer than ``MIN_SIZES`` distinct sizes or ``MIN_POINTS`` transfers (saying how many more
+    of which sizes are needed), on non-finite or negative inputs, or when time does not grow with
+    bytes.
     """
     b = np.asarray(bytes, dtype=float)
     y = np.asarray(ms, dtype=float)
@@ -264,8 +267,8 @@ def fit_floor(transfers: pd.DataFrame, *, column: str = "critical_ms", n_boot: i
     t = t[ok.to_numpy(dtype=bool)]
     if t.empty:
         raise AnalysisError(f"fit_floor: no transfer has both {column!r} and bytes (of "
-                            f"{len(transfers)} transfer(s)); need >= {MIN_POINTS_PER_SIZE} "
-                            f"transfers at each of >= {MIN_SIZES} distinct sizes")
+                            f"{len(transfers)} transfer(s)); need >= {MIN_POINTS} transfers at "
+                            f">= {MIN_SIZES} distinct sizes")
     desc = None
     if t["descriptors"].notna().all():
         desc = t["descriptors"].to_numpy(dtype=float)

@@ -1,0 +1,195 @@
+"""Recommendations: hand-computed threshold and TTL cases (with their edges), mode, findings."""
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from kvtune import spans as sc
+from kvtune.analysis import FloorFit, PrefillCost, Workload
+from kvtune.analysis import synthetic as syn
+from kvtune.errors import AnalysisError, ConfigError
+from kvtune.recommend import NEVER, Tuning, recommend
+from kvtune.recommend.mode import recommend_mode
+from kvtune.recommend.threshold import break_even_tokens, recommend_threshold
+from kvtune.recommend.ttl import recommend_ttl
+
+
+def _fit(floor_ms: float = 2.0, bw_gbps: float = 8.0, ci: float = 0.0) -> FloorFit:
+    return FloorFit(floor_ms=floor_ms, bandwidth_gbps=bw_gbps, per_descriptor_us=None,
+                    floor_ci_ms=(floor_ms * (1 - ci), floor_ms * (1 + ci)),
+                    bandwidth_ci_gbps=(bw_gbps * (1 - ci), bw_gbps * (1 + ci)),
+                    per_descriptor_ci_us=None, r2=0.99, n_transfers=30, n_sizes=3)
+
+
+def _prefill(per_token_ms: float = 0.05, prefix_us: float = 0.0) -> PrefillCost:
+    return PrefillCost(per_token_ms=per_token_ms, per_token_prefix_us=prefix_us, base_ms=3.0,
+                       n_observations=20)
+
+
+# 8 Gbit/s = 1e6 bytes/ms; 10_000 bytes per token -> 0.01 ms per token on the wire
+BPT = 10_000
+
+
+def test_threshold_linear_hand_computed():
+    # floor 2 ms + 0.01 ms/token == 0.05 ms/token  ->  R = 2 / 0.04 = 50 tokens
+    rec, findings = recommend_threshold(_fit(), _prefill(), bytes_per_token=BPT,
+                                        descriptors_per_token=0, max_context_tokens=10_000)
+    assert rec.value == 50
+    assert rec.evidence["break_even_tokens"] == pytest.approx(50.0)
+    assert rec.evidence["pull_ms_at_break_even"] == pytest.approx(2.5)
+    assert rec.evidence["recompute_ms_at_break_even"] == pytest.approx(2.5)
+    assert rec.unit == "tokens" and rec.name == "kv_recompute_threshold"
+    assert findings == []
+
+
+def test_threshold_with_attention_term_hand_computed():
+    # recompute = 0.05 R + (R^2/2)/1000 * 4us/1e3 = 0.05R + 2e-6 R^2; pull = 2 + 0.01R
+    # 2e-6 R^2 + 0.04 R - 2 = 0  ->  R = (-0.04 + sqrt(0.0016 + 1.6e-5)) / 4e-6
+    expected = (-0.04 + math.sqrt(0.04 ** 2 + 4 * 2e-6 * 2)) / (2 * 2e-6)
+    rec, _ = recommend_threshold(_fit(), _prefill(prefix_us=4.0), bytes_per_token=BPT,
+                                 descriptors_per_token=0, max_context_tokens=10_000)
+    assert rec.evidence["break_even_tokens"] == pytest.approx(expected)
+    assert rec.value == math.ceil(expected)
+
+
+def test_threshold_range_from_fit_intervals():
+    rec, _ = recommend_threshold(_fit(ci=0.1), _prefill(), bytes_per_token=BPT,
+                                 descriptors_per_token=0, max_context_tokens=10_000)
+    # optimistic: floor 1.8, 8.8 Gbit/s; pessimistic: floor 2.2, 7.2 Gbit/s
+    lo = break_even_tokens(1.8, BPT * 8 / 8.8e9 * 1e3, _prefill())
+    hi = break_even_tokens(2.2, BPT * 8 / 7.2e9 * 1e3, _prefill())
+    assert rec.range == (math.ceil(lo), math.ceil(hi))
+    assert rec.range[0] < rec.value < rec.range[1]
+
+
+def test_threshold_never_when_floor_is_too_high():
+    # floor 1 s: break-even 1000/0.04 = 25000 tokens > the 4000-token histories seen
+    rec, findings = recommend_threshold(_fit(floor_ms=1000.0), _prefill(), bytes_per_token=BPT,
+                                        descriptors_per_token=0, max_context_tokens=4000)
+    assert rec.value == NEVER
+    assert [f.code for f in findings] == ["reuse_never_pays"]
+    assert "25000 tokens" in findings[0].message
+
+
+def test_threshold_never_when_wire_is_slower_than_compute():
+    rec, _ = recommend_threshold(_fit(bw_gbps=0.8), _prefill(), bytes_per_token=BPT,
+                                 descriptors_per_token=0, max_context_tokens=10 ** 9)
+    assert rec.value == NEVER and rec.evidence["break_even_tokens"] is None
+
+
+def _workload(gaps, gap_tokens, final_tokens, duration_s=100.0) -> Workload:
+    n = len(gaps) + len(final_tokens)
+    return Workload(n_requests=n, qps=n / duration_s, prompt_tokens_p50=1000,
+                    prompt_tokens_p90=1000, prompt_tokens_p99=1000, output_tokens_p50=10,
+                    multi_turn_share=len(gaps) / max(n, 1), turns_per_conversation_mean=2.0,
+                    gaps_s=tuple(gaps), reuse_outcomes={}, duration_s=duration_s,
+                    n_conversations=len(final_tokens), gap_tokens=tuple(gap_tokens),
+                    final_tokens=tuple(final_tokens),
+                    requests=tuple([(1000, 0, math.nan)] * len(final_tokens)
+                                   + [(1100, t, g) for g, t in zip(gaps, gap_tokens)]))
+
+
+W3 = dict(gaps=[10.0, 20.0, 30.0], gap_tokens=[1000, 1000, 1000], final_tokens=[1000, 1000])
+
+
+def test_ttl_uncapped_hand_computed():
+    # router TTL = 30 s x 1.1 = 33 s; margin = min(30, 33/3) = 11 s -> decode TTL 44 s
+    # HBM: 2 x 1e6 B x (1000 x (10+20+30) + 2000 x 44) / 100 s = 2.96 GB < 10 GB
+    rec, findings = recommend_ttl(_workload(**W3), bytes_per_token=1e6, hbm_budget_gb=10.0,
+                                  threshold_tokens=50)
+    assert rec.value == 44
+    assert rec.evidence["retained_gb_at_ttl"] == pytest.approx(2.96)
+    assert rec.evidence["router_margin_s"] == pytest.approx(11.0)
+    assert rec.evidence["router_params_ttl_s"] == pytest.approx(33.0)
+    assert rec.evidence["captured_share"] == pytest.approx(1.0)
+    assert findings == []
+    assert rec.range[0] <= rec.value <= rec.range[1]
+
+
+def test_ttl_capped_by_memory_hand_computed():
+    # budget 2 GB: 2 x 1e6 x (1000 x (10 + 20 + T) + 2000 T) / 100 / 1e9 = 2 -> T = 23.33 s
+    rec, findings = recommend_ttl(_workload(**W3), bytes_per_token=1e6, hbm_budget_gb=2.0,
+                                  threshold_tokens=50)
+    assert rec.value == 23
+    assert rec.evidence["memory_cap_ttl_s"] == pytest.approx(70 / 3, rel=1e-6)
+    # router TTL 23 - 5.75 = 17.25 s: only the 10 s gap is still reused
+    assert rec.evidence["captured_share"] == pytest.approx(1 / 3)
+    assert [f.code for f in findings] == ["ttl_capped_by_memory"]
+    assert rec.evidence["retained_gb_at_ttl"] <= 2.0
+
+
+def test_ttl_ignores_histories_below_threshold():
+    rec, _ = recommend_ttl(_workload([10.0, 300.0], [1000, 10], [1000]), bytes_per_token=1e3,
+                           hbm_budget_gb=10.0, threshold_tokens=50)
+    assert rec.evidence["uncapped_ttl_s"] == pytest.approx(11.0 + 11.0 / 3)
+
+
+def test_ttl_no_multi_turn():
+    rec, findings = recommend_ttl(_workload([], [], [1000, 1000, 1000]), bytes_per_token=1e6,
+                                  hbm_budget_gb=10.0, threshold_tokens=50)
+    assert rec.value == 0 and rec.range == (0, 0)
+    assert [f.code for f in findings] == ["no_multi_turn"]
+
+
+def test_mode_choices_and_exclusions():
+    wl = _workload(**W3)
+    fit, pc = _fit(), _prefill()
+    kw = dict(bytes_per_token=BPT, descriptors_per_token=0)
+    rec, _ = recommend_mode(wl, fit, pc, threshold=50, ttl_s=44, **kw)
+    ttft = rec.evidence["expected_ttft_ms"]
+    assert set(ttft) >= {"pull", "push", "bidirectional"}
+    assert rec.value == min(rec.evidence["allowed"], key=lambda m: ttft[m]["p50"])
+    assert ttft["bidirectional"]["p50"] <= ttft["pull"]["p50"]
+    rec, _ = recommend_mode(wl, fit, pc, threshold=NEVER, ttl_s=44, early_decode_ok=False, **kw)
+    assert rec.value == "pull"
+    assert set(rec.evidence["excluded"]) == {"push", "bidirectional"}
+    no_turns = _workload([], [], [1000, 1000])
+    rec, _ = recommend_mode(no_turns, fit, pc, threshold=50, ttl_s=0, **kw)
+    assert rec.value in ("pull", "push") and "bidirectional" in rec.evidence["excluded"]
+
+
+@pytest.fixture(scope="module")
+def case_spans():
+    case = syn.SyntheticCase(workload=syn.SyntheticWorkload(n_conversations=30))
+    return case.spans(mode=sc.Mode.BIDIRECTIONAL, seed=7)
+
+
+def test_recommend_end_to_end_on_synthetic(case_spans):
+    tu = recommend(case_spans, n_boot=50)
+    assert isinstance(tu, Tuning)
+    assert tu.span_count == len(case_spans) and tu.source == "synthetic"
+    assert tu.fit is not None
+    assert tu.fit.bandwidth_gbps == pytest.approx(40.0, rel=0.1)
+    assert isinstance(tu.threshold.value, int) and tu.threshold.value > 0
+    assert tu.threshold.range[0] <= tu.threshold.value <= tu.threshold.range[1]
+    assert tu.ttl.value > 0
+    assert tu.mode.value in ("pull", "push", "bidirectional")
+    assert "fabric_chosen" in {f.code for f in tu.findings}
+    d = tu.as_dict()
+    assert set(d) >= {"threshold", "ttl", "mode", "findings", "fit", "source", "span_count"}
+
+
+def test_recommend_finds_tcp_fallback_and_stalls():
+    wl = syn.SyntheticWorkload(n_conversations=8, fabric="efa", transport="tcp")
+    spans = syn.serving_spans(wl, mode="pull", seed=1)
+    rdma = spans.index[spans["name"] == sc.SpanName.DECODE_START.value][0]
+    spans.loc[rdma, "end_ns"] = spans.loc[rdma, "start_ns"] + 3_000_000_000  # a 3 s stall
+    tu = recommend(spans, n_boot=20)
+    codes = {f.code for f in tu.findings}
+    assert {"tcp_fallback", "stalled_transfers"} <= codes
+    stall = next(f for f in tu.findings if f.code == "stalled_transfers")
+    assert stall.evidence["worst_phase"] == "decode_start_ms"
+
+
+def test_recommend_bad_input():
+    frame = syn.spans_frame([{"name": sc.SpanName.REQUEST.value, "host": "r", "start_ns": 0,
+                              "end_ns": 1, "attrs": {}}])
+    with pytest.raises(AnalysisError, match="no KV transfers"):
+        recommend(frame)
+    one_size = syn.serving_spans(syn.SyntheticWorkload(n_conversations=4, turns=(1,),
+                                                       prompt_sigma=0.0), seed=1)
+    with pytest.raises(AnalysisError, match="1 distinct size"):
+        recommend(one_size)
+    with pytest.raises(ConfigError, match="hbm_budget_gb"):
+        recommend(one_size, hbm_budget_gb=-1)
