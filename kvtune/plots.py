@@ -44,8 +44,9 @@ def floor_fit(tx: pd.DataFrame, fit: Any, *, column: str = "critical_ms",
         fig.add_trace(go.Scatter(x=xs, y=mid, mode="lines", line={"color": "black"},
                                  name=f"fit: floor {fit.floor_ms:.3f} ms, "
                                       f"{fit.bandwidth_gbps:.2f} Gb/s"))
-        fig.add_hline(y=fit.floor_ms, line_dash="dot",
-                      annotation_text=f"floor {fit.floor_ms:.3f} ms")
+        fig.add_trace(go.Scatter(x=[xs[0], xs[-1]], y=[fit.floor_ms, fit.floor_ms], mode="lines",
+                                 line={"dash": "dot", "color": "gray"},
+                                 name=f"floor {fit.floor_ms:.3f} ms"))
     fig.update_layout(title=title, xaxis_title="bytes per transfer (per rank)",
                       yaxis_title=f"{column.removesuffix('_ms')} time (ms)", xaxis_type="log",
                       yaxis_type="log")
@@ -137,16 +138,22 @@ def threshold_curve(tuning: Any, prefill: Any, *, max_tokens: int | None = None,
                              line={"color": "#1f77b4"}))
     fig.add_trace(go.Scatter(x=xs, y=[prefill.recompute_ms(x) for x in xs],
                              name="recompute (measured prefill)", line={"color": "#d62728"}))
+    ys = [floor + x * c for x in xs] + [prefill.recompute_ms(x) for x in xs]
+    y_lo, y_hi = max(min(y for y in ys if y > 0), 1e-6), max(ys)
+
+    def vline(x: float, name: str, **line: Any) -> None:
+        # A trace, not a shape: shapes and annotations on log axes take log10 coordinates.
+        fig.add_trace(go.Scatter(x=[x, x], y=[y_lo, y_hi], mode="lines", name=name, line=line))
+
     lo, hi = thr.range
     if isinstance(lo, (int, float)) and isinstance(hi, (int, float)):
-        fig.add_vrect(x0=lo, x1=hi, fillcolor="rgba(0,0,0,0.1)", line_width=0,
-                      annotation_text="95% range", annotation_position="top left")
+        fig.add_trace(go.Scatter(x=[lo, hi, hi, lo], y=[y_lo, y_lo, y_hi, y_hi], fill="toself",
+                                 fillcolor="rgba(0,0,0,0.1)", line={"width": 0},
+                                 name=f"95% range {lo}-{hi}", mode="lines"))
     if isinstance(thr.value, (int, float)):
-        fig.add_vline(x=thr.value, line_color="black",
-                      annotation_text=f"recommended {thr.value}", annotation_position="top right")
-    fig.add_vline(x=DEFAULT_THRESHOLD_TOKENS, line_dash="dot", line_color="gray",
-                  annotation_text=f"vLLM default {DEFAULT_THRESHOLD_TOKENS}",
-                  annotation_position="bottom right")
+        vline(thr.value, f"recommended {thr.value}", color="black")
+    vline(DEFAULT_THRESHOLD_TOKENS, f"vLLM default {DEFAULT_THRESHOLD_TOKENS}", color="gray",
+          dash="dot")
     fig.update_layout(title=title, xaxis_type="log", xaxis_title="history tokens (R)",
                       yaxis_title="ms", yaxis_type="log")
     return fig

@@ -22,11 +22,12 @@ class NotebookFailed(KvtuneError):
     """A notebook cell raised; the executed notebook with the error was written to ``output``."""
 
     def __init__(self, notebook: str, cell_index: int, exec_count: Any, ename: str, evalue: str,
-                 output: Path) -> None:
+                 output: Path, source: str = "") -> None:
         self.notebook, self.cell_index, self.output = notebook, cell_index, output
+        first = next((ln for ln in source.splitlines() if ln.strip()), "")[:80]
         super().__init__(f"notebook {notebook!r} failed in cell {cell_index} (execution count "
-                         f"{exec_count}): {ename}: {evalue}; the executed notebook with the error "
-                         f"is {output}")
+                         f"{exec_count}: {first!r}): {ename}: {evalue}; the executed notebook with "
+                         f"the error is {output}")
 
 
 @dataclass(frozen=True)
@@ -71,7 +72,7 @@ def run_notebook(name: str, out_dir: Path, parameters: dict[str, Any], *,
                                    cwd=str(Path.cwd()), execution_timeout=timeout_s)
     except PapermillExecutionError as exc:
         raise NotebookFailed(name, exc.cell_index, exc.exec_count, exc.ename, exc.evalue,
-                             output) from None
+                             output, exc.source or "") from None
     finally:
         for k, v in env_backup.items():
             if v is None:

@@ -27,7 +27,8 @@ def write_report(path: Path, figures_dir: Path, *, title: str, source: str,
              _values_table(values)]
     n_figs = 0
     for name in notebooks:
-        figs = sorted(figures_dir.glob(f"{name}--*.json")) if figures_dir.exists() else []
+        figs = (sorted(figures_dir.glob(f"{name}--*.json"), key=lambda p: p.stat().st_mtime_ns)
+                if figures_dir.exists() else [])
         if not figs:
             continue
         parts.append(f"<h2>{html.escape(SECTION_TITLES.get(name, name))}</h2>")
