@@ -130,3 +130,11 @@ def test_kvtune_cli_dispatches_router(monkeypatch):
                 modules=(("router", "kvtune.router.cli"),)) == 0
     assert calls[0].prefill[0].url == "http://127.0.0.1:1"
     assert main(["router", "--mode", "pull"], modules=(("router", "kvtune.router.cli"),)) == 2
+
+
+def test_default_margin_keeps_short_ttls_usable():
+    base = {"prefill": "http://127.0.0.1:1", "decode": "http://127.0.0.1:2"}
+    assert config_from_dict({**base, "decoder_ttl_s": 480}).margin_s == 30
+    short = config_from_dict({**base, "decoder_ttl_s": 20})
+    assert short.margin_s == 5 and short.params_ttl_s == 15
+    assert config_from_dict({**base, "decoder_ttl_s": 20, "margin_s": 0}).params_ttl_s == 20

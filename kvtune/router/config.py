@@ -8,6 +8,7 @@ Configuration file keys (YAML or JSON; ``kvtune.export`` writes ``router.yaml`` 
     state: sqlite:router-state.db  # conversation store: sqlite:PATH (default) or redis://HOST:PORT/DB
     decoder_ttl_s: 480           # the decode's decoder_kv_blocks_ttl, seconds (vLLM's default 480)
     margin_s: 30                 # stored decode params expire this long before the decode's TTL
+                                 #   (default: min(30, decoder_ttl_s / 4))
     state_retention_s: 86400     # how long a conversation's turn counter is kept after its last turn
     max_body_bytes: 8388608      # larger request bodies are refused with 413
     connect_timeout_s: 10        # per upstream connection attempt
@@ -50,6 +51,13 @@ DEFAULT_DECODER_TTL_S = 480.0
 DEFAULT_MARGIN_S = 30.0
 """Stored params expire this long before the decode frees the blocks: covers the router->prefill
 ->decode handshake time and clock differences, so the prefill never asks for freed blocks."""
+DEFAULT_MARGIN_SHARE = 0.25
+"""...but by default at most this share of the TTL, so a short TTL keeps a usable router TTL."""
+
+
+def default_margin_s(decoder_ttl_s: float) -> float:
+    """The margin used when none is configured: ``min(30 s, decoder_ttl_s / 4)``."""
+    return min(DEFAULT_MARGIN_S, DEFAULT_MARGIN_SHARE * decoder_ttl_s)
 
 
 @dataclass(frozen=True)
@@ -80,7 +88,8 @@ class RouterConfig:
     port: int = 8000
     state: str = "sqlite:router-state.db"
     decoder_ttl_s: float = DEFAULT_DECODER_TTL_S
-    margin_s: float = DEFAULT_MARGIN_S
+    margin_s: float | None = None
+    """None: :func:`default_margin_s` of ``decoder_ttl_s`` (set in ``__post_init__``)."""
     state_retention_s: float = 86400.0
     max_body_bytes: int = 8 * 1024 * 1024
     connect_timeout_s: float = 10.0
@@ -90,11 +99,14 @@ class RouterConfig:
     telemetry: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        if self.margin_s is None and isinstance(self.decoder_ttl_s, (int, float)):
+            object.__setattr__(self, "margin_s", default_margin_s(self.decoder_ttl_s))
         _validate(self)
 
     @property
     def params_ttl_s(self) -> float:
         """How long stored decode params are used: ``decoder_ttl_s - margin_s``."""
+        assert self.margin_s is not None  # set in __post_init__
         return self.decoder_ttl_s - self.margin_s
 
     def to_dict(self) -> dict[str, Any]:
@@ -144,7 +156,7 @@ def _validate(cfg: RouterConfig, source: str = "router config") -> None:
         if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
             raise ConfigError(f"{source}: field {name!r}: expected a positive number of seconds, "
                               f"got {value!r}")
-    if not (0 <= cfg.margin_s < cfg.decoder_ttl_s):
+    if not (isinstance(cfg.margin_s, (int, float)) and 0 <= cfg.margin_s < cfg.decoder_ttl_s):
         raise ConfigError(f"{source}: field 'margin_s': expected 0 <= margin_s < decoder_ttl_s "
                           f"({cfg.decoder_ttl_s}), got {cfg.margin_s!r}")
     if cfg.max_body_bytes < 1024:

@@ -16,7 +16,8 @@ Flows (the vLLM NIXL connectors' protocol; every leg of one request carries the 
   "pp_size", "remote_request_id"}`` naming the prefill (from its config) and the shared request id.
 - **bidirectional**: pull, plus the ``kv_transfer_params`` the decode returns at the end of each turn
   are stored per conversation and sent as the next turn's prefill ``kv_transfer_params`` (the prefill
-  then pulls the conversation's history back from the decode). Params are handed out once and expire
+  then pulls the conversation's history back from the decode). Params are handed out once (even
+  when that turn then fails: its prefill may have read the blocks) and expire
   ``decoder_ttl_s - margin_s`` after they were stored. vLLM returns them only in non-streaming
   responses; a streamed turn (whose SSE carries none) leaves nothing stored, so the next turn
   recomputes the history.
@@ -63,6 +64,8 @@ FAILED_LEG_HEADER = "X-Kvtune-Failed-Leg"
 FAILED_INSTANCE_HEADER = "X-Kvtune-Failed-Instance"
 """Response header naming the instance (URL) that failed."""
 REQUEST_ID_HEADER = "X-Request-Id"
+BODY_READ_TIMEOUT_S = 60.0
+"""A client must send its whole request body within this time (no slow-client stuck handlers)."""
 CLIENT_CLOSED_STATUS = 499
 """Recorded on ``kv.request`` (never sent) when the client disconnects before the answer."""
 COMPLETIONS_PATH = "/v1/completions"
@@ -247,8 +250,7 @@ class Router:
         site = web.TCPSite(self._runner, host or self.config.host,
                            self.config.port if port is None else port)
         await site.start()
-        sockets = getattr(site._server, "sockets", None) or []  # noqa: SLF001 (aiohttp has no API)
-        self.port = sockets[0].getsockname()[1] if sockets else (port or self.config.port)
+        self.port = int(self._runner.addresses[0][1])
         return f"http://{host or self.config.host}:{self.port}"
 
     async def stop(self) -> None:
@@ -307,10 +309,13 @@ class Router:
             return _error_json(413, f"request body of {request.content_length} bytes is over the "
                                f"router's max_body_bytes ({limit})", kind="request_too_large")
         try:
-            raw = await request.read()
+            raw = await asyncio.wait_for(request.read(), BODY_READ_TIMEOUT_S)
         except web.HTTPRequestEntityTooLarge:
             return _error_json(413, f"request body is over the router's max_body_bytes ({limit})",
                                kind="request_too_large")
+        except asyncio.TimeoutError:
+            return _error_json(408, f"request body not received within {BODY_READ_TIMEOUT_S:g} s",
+                               kind="request_timeout")
         try:
             body = json.loads(raw)
         except ValueError as exc:
@@ -503,6 +508,9 @@ class Router:
             # The client went away: dropping the upstream connection aborts the request in vLLM.
             call.error_type, call.error_message = "ClientDisconnected", "client closed the stream"
             upstream.close()
+        except BaseException:  # cancelled (client gone): close, do not pool, the upstream socket
+            upstream.close()
+            raise
         finally:
             upstream.release()
         if watcher.error is not None and call.error_type is None:

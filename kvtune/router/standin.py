@@ -118,7 +118,7 @@ class StandInVllmServer:
         await self._runner.setup()
         site = web.TCPSite(self._runner, "127.0.0.1", 0)
         await site.start()
-        port = site._server.sockets[0].getsockname()[1]  # noqa: SLF001
+        port = self._runner.addresses[0][1]
         self.url = f"http://127.0.0.1:{port}"
 
     async def stop(self) -> None:
