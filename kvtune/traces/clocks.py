@@ -56,19 +56,41 @@ def _host_of_router(df: pd.DataFrame) -> str | None:
     return None
 
 
+_HEX_LUT = np.zeros(256, dtype=np.uint64)
+_HEX_LUT[np.frombuffer(b"0123456789", np.uint8)] = np.arange(10, dtype=np.uint64)
+_HEX_LUT[np.frombuffer(b"abcdef", np.uint8)] = np.arange(10, 16, dtype=np.uint64)
+_SPAN_ID_DIGITS = 16
+_SHIFTS = (4 * np.arange(_SPAN_ID_DIGITS - 1, -1, -1)).astype(np.uint64)
+
+
+def _id_keys(ids: pd.Series) -> np.ndarray:
+    """16-hex-digit span ids as uint64 join keys (0 for NA), parsed vectorized, so joins hash
+    integers, not strings."""
+    raw = np.array(ids.fillna("").to_numpy(dtype=object), dtype=f"S{_SPAN_ID_DIGITS}")
+    digits = raw.view(np.uint8).reshape(-1, _SPAN_ID_DIGITS)
+    return np.bitwise_or.reduce(_HEX_LUT[digits] << _SHIFTS, axis=1)
+
+
 def _parent_child_bounds(df: pd.DataFrame) -> pd.DataFrame:
     """Rows (a, b, lo, hi) bounding o_b - o_a from parent (host a) / child (host b) pairs."""
-    cols = ["trace_id", "span_id", "host", "start_ns", "end_ns"]
-    child = df.loc[df["parent_span_id"].notna() & (df["host"] != ""),
-                   ["trace_id", "parent_span_id", "host", "start_ns", "end_ns"]]
-    parent = df.loc[df["host"] != "", cols]
-    m = child.merge(parent, left_on=["trace_id", "parent_span_id"], right_on=["trace_id", "span_id"],
-                    suffixes=("_c", "_p"))
-    m = m[m["host_c"] != m["host_p"]]
+    host_codes, host_names = pd.factorize(df["host"].to_numpy(dtype=object))
+    has_parent = df["parent_span_id"].notna().to_numpy()
+    child_rows = np.flatnonzero(has_parent)
+    keys = pd.DataFrame({"k": _id_keys(df["span_id"]), "p": np.arange(len(df))})
+    kids = pd.DataFrame({"k": _id_keys(df["parent_span_id"].iloc[child_rows]), "c": child_rows})
+    m = kids.merge(keys, on="k")
+    c, p = m["c"].to_numpy(), m["p"].to_numpy()
+    cross = host_codes[c] != host_codes[p]
+    c, p = c[cross], p[cross]
+    same_trace = df["trace_id"].to_numpy(dtype=object)[c] == df["trace_id"].to_numpy(dtype=object)[p]
+    c, p = c[same_trace], p[same_trace]
+    known = (host_names[host_codes[c]] != "") & (host_names[host_codes[p]] != "")
+    c, p = c[known], p[known]
+    start = df["start_ns"].to_numpy()
+    end = df["end_ns"].to_numpy()
     return pd.DataFrame({
-        "a": m["host_p"].to_numpy(dtype=object), "b": m["host_c"].to_numpy(dtype=object),
-        "lo": (m["end_ns_c"] - m["end_ns_p"]).to_numpy(dtype=np.float64),
-        "hi": (m["start_ns_c"] - m["start_ns_p"]).to_numpy(dtype=np.float64),
+        "a": host_names[host_codes[p]].astype(object), "b": host_names[host_codes[c]].astype(object),
+        "lo": (end[c] - end[p]).astype(np.float64), "hi": (start[c] - start[p]).astype(np.float64),
     })
 
 

@@ -241,28 +241,40 @@ def _object_array(items: list[Any]) -> np.ndarray:
     return arr
 
 
+def _all_hex(ids: list[str], width: int) -> bool:
+    """Whether every id is ``width`` lowercase hex digits (one C-level pass over all of them)."""
+    if set(map(len, ids)) != {width}:
+        return False
+    return not "".join(ids).encode("ascii", "replace").translate(None, _HEX)
+
+
 def _normalize_ids(ids: list[Any], nbytes: int, field: str,
                    fail: Callable[[int, str, str, Any], None], *, allow_empty: bool) -> list[Any]:
     """Ids as lowercase hex of ``nbytes`` bytes; base64 ids (Tempo) converted; empty -> None.
 
-    Fast path: one C-level pass checks that every id is already lowercase hex of the right length.
+    Fast path: every (non-empty) id is already lowercase hex of the right length.
     """
     width = 2 * nbytes
-    if ids and not allow_empty:
-        try:
-            joined = "".join(ids)
-        except TypeError:  # a None or non-string id: take the slow path, which names it
-            joined = None
-        if (joined is not None and len(joined) == width * len(ids)
-                and not joined.encode("ascii", "replace").translate(None, _HEX)
-                and all(len(x) == width for x in ids)):
+    if allow_empty:
+        ids = [x or None for x in ids]
+        present = [x for x in ids if x is not None]
+    else:
+        present = ids
+    try:
+        if _all_hex(present, width):
             return ids
+    except TypeError:  # a non-string id: the slow path names it
+        pass
     out: list[Any] = list(ids)
     zero = "0" * width
     for i, x in enumerate(out):
         if x is None or x == "":
             if not allow_empty:
                 fail(i, field, f"{width} hex digits", x)
+            out[i] = None
+            continue
+        if not isinstance(x, str):
+            fail(i, field, f"{width} hex digits", x)
             out[i] = None
             continue
         if len(x) == width:
@@ -284,13 +296,23 @@ def _normalize_ids(ids: list[Any], nbytes: int, field: str,
     return out
 
 
+def _all_missing(n: int, typ: type) -> Any:
+    if typ is str:
+        return pd.arrays.StringArray(np.full(n, None, dtype=object))
+    if typ is int:
+        return pd.arrays.IntegerArray(np.zeros(n, np.int64), np.ones(n, dtype=bool))
+    if typ is float:
+        return pd.arrays.FloatingArray(np.zeros(n, np.float64), np.ones(n, dtype=bool))
+    return pd.arrays.BooleanArray(np.zeros(n, np.bool_), np.ones(n, dtype=bool))
+
+
 def _typed_column(key: str, rows: list[int], values: list[Any], n: int,
                   fail: Callable[[int, str, str, Any], None]) -> Any:
     """One convention attribute as a pandas nullable array of its declared type."""
     typ = spans.ATTRIBUTE_TYPES[key]
     dtype = NULLABLE_DTYPES[typ]
     if not rows:
-        return pd.array([None] * n, dtype=dtype) if n else pd.array([], dtype=dtype)
+        return _all_missing(n, typ)
     types = set(map(type, values))
     allowed = {int: {int}, float: {float, int}, str: {str}, bool: {bool}}[typ]
     if not types <= allowed:
@@ -313,7 +335,7 @@ def _typed_column(key: str, rows: list[int], values: list[Any], n: int,
     if typ is str:
         arr = np.full(n, None, dtype=object)
         arr[idx] = values
-        return pd.array(arr, dtype=dtype)
+        return pd.arrays.StringArray(arr)
     np_type = {int: np.int64, float: np.float64, bool: np.bool_}[typ]
     vals = np.zeros(n, dtype=np_type)
     mask = np.ones(n, dtype=bool)

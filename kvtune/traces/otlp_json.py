@@ -17,15 +17,15 @@ import msgspec
 from msgspec import UNSET, Struct, UnsetType
 
 
-class ArrayValue(Struct, rename="camel"):
+class ArrayValue(Struct, rename="camel", gc=False):
     values: list[AnyValue] = []
 
 
-class KeyValueList(Struct, rename="camel"):
+class KeyValueList(Struct, rename="camel", gc=False):
     values: list[KeyValue] = []
 
 
-class AnyValue(Struct, rename="camel"):
+class AnyValue(Struct, rename="camel", gc=False):
     string_value: str | None = None
     int_value: int | None = None
     double_value: float | None = None
@@ -35,17 +35,17 @@ class AnyValue(Struct, rename="camel"):
     bytes_value: str | None = None
 
 
-class KeyValue(Struct, rename="camel"):
+class KeyValue(Struct, rename="camel", gc=False):
     key: str
     value: AnyValue | None = None
 
 
-class Status(Struct, rename="camel"):
+class Status(Struct, rename="camel", gc=False):
     code: int | str = 0
     message: str = ""
 
 
-class Span(Struct, rename="camel"):
+class Span(Struct, rename="camel", gc=False):
     trace_id: str
     span_id: str
     name: str
@@ -56,26 +56,26 @@ class Span(Struct, rename="camel"):
     status: Status | None = None
 
 
-class Resource(Struct, rename="camel"):
+class Resource(Struct, rename="camel", gc=False):
     attributes: list[KeyValue] = []
 
 
-class ScopeSpans(Struct, rename="camel"):
+class ScopeSpans(Struct, rename="camel", gc=False):
     spans: list[Span] = []
 
 
-class ResourceSpans(Struct, rename="camel"):
+class ResourceSpans(Struct, rename="camel", gc=False):
     resource: Resource | None = None
     scope_spans: list[ScopeSpans] = []
     instrumentation_library_spans: list[ScopeSpans] = []
 
 
-class TraceBody(Struct, rename="camel"):
+class TraceBody(Struct, rename="camel", gc=False):
     resource_spans: list[ResourceSpans] = []
     batches: list[ResourceSpans] = []
 
 
-class TraceDocument(Struct, rename="camel"):
+class TraceDocument(Struct, rename="camel", gc=False):
     resource_spans: list[ResourceSpans] | UnsetType = UNSET
     batches: list[ResourceSpans] | UnsetType = UNSET
     trace: TraceBody | UnsetType = UNSET
