@@ -150,3 +150,25 @@ def test_open_store_specs(tmp_path):
         open_store("postgres://x", params_ttl_s=5)
     with pytest.raises(RouterError, match="cannot reach Redis"):
         open_store(f"redis://127.0.0.1:{_free_port()}/0", params_ttl_s=5)
+
+
+def test_router_with_redis_state_carries_params_across_restart(redis_url, tmp_path):
+    from kvtune.router import RouterProcess
+    from kvtune.router.client import post
+    from kvtune.router.standin import StandInVllmCluster
+    with StandInVllmCluster(1, 1, bidirectional=True) as cluster:
+        config = cluster.router_config("bidirectional", state=redis_url)
+        conv = f"redis-conv-{time.monotonic_ns()}"
+        body = {"model": "m", "prompt": "a b c", "max_tokens": 2, "conversation_id": conv}
+        first = RouterProcess(config, workdir=tmp_path / "r1")
+        first.start()
+        try:
+            assert post(first.url + "/v1/completions", body).status == 200
+        finally:
+            first.kill()
+        with RouterProcess(config, workdir=tmp_path / "r2") as second:
+            assert post(second.url + "/v1/completions", {**body, "prompt": "a b c w0 d"}).status == 200
+        returned = cluster.requests("decode")[0].returned_kv_params
+        sent = cluster.requests("prefill")[1].body["kv_transfer_params"]
+    assert sent["remote_block_ids"] == returned["remote_block_ids"]
+    assert cluster.prefill[0].received[1].pulled_tokens == 5  # min(3 + 2 held, 5 in prompt)
