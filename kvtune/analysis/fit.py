@@ -4,8 +4,9 @@ Model, per transfer ``i``::
 
     ms_i = floor_ms + bytes_i * 8 / (bandwidth_gbps * 1e9) * 1e3 + descriptors_i * per_descriptor_us / 1e3
 
-fitted with Huber-weighted iteratively reweighted least squares (outliers, e.g. a transfer that hit a
-scheduler hiccup, get down-weighted instead of dragging the line), with percentile bootstrap
+fitted by iteratively reweighted least squares on relative residuals, Huber then Tukey bisquare
+(outliers, e.g. a transfer that hit a scheduler hiccup, get down-weighted, gross ones to zero,
+instead of dragging the line), with percentile bootstrap
 confidence intervals resampled *within* each distinct (bytes, descriptors) point so every bootstrap
 sample keeps the sweep's design. The floor is the model's cost at zero bytes and zero descriptors.
 
@@ -35,6 +36,8 @@ MIN_POINTS = MIN_SIZES * MIN_POINTS_PER_SIZE
 """Transfers needed in all."""
 HUBER_K = 1.345
 """Huber tuning constant (95% efficiency under normal noise)."""
+BISQUARE_C = 4.685
+"""Tukey bisquare constant (95% efficiency); residuals beyond 4.685 scales get zero weight."""
 IRLS_MAX_ITER = 50
 IRLS_TOL = 1e-9
 MAD_TO_SIGMA = 1.4826
@@ -56,7 +59,7 @@ class FloorFit:
     """The fabric's fixed cost and bandwidth, with 95% bootstrap intervals.
 
     ``bandwidth_gbps`` is in gigabits per second (1e9 bit/s). ``per_descriptor_us`` is ``None`` when
-    descriptors do not vary independently of bytes. ``r2`` is the Huber-weighted coefficient of
+    descriptors do not vary independently of bytes. ``r2`` is the robust-weighted coefficient of
     determination. ``n_outliers`` counts transfers the robust fit down-weighted below 0.5.
     """
 
@@ -93,28 +96,53 @@ class FloorFit:
         }
 
 
-def _huber_irls(x: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Huber M-estimate of ``y ~ x @ beta`` on *relative* residuals (timing noise grows with the
-    time: a 2% wobble on a 100 ms transfer is not an outlier, 25 ms on a 2 ms one is); returns
-    (beta, final Huber weights)."""
-    beta, *_ = np.linalg.lstsq(x, y, rcond=None)
+def _irls(x: np.ndarray, y: np.ndarray, beta: np.ndarray, floor_y: float, weight, *,
+          scale: float | None = None) -> tuple[np.ndarray, np.ndarray, float]:
+    """Iteratively reweighted least squares on relative residuals with ``weight(u)``; the scale is
+    re-estimated (MAD) each step unless given. Returns (beta, weights, scale)."""
     w = np.ones_like(y)
-    floor_y = max(float(np.min(y[y > 0])) if np.any(y > 0) else 1.0, 1e-9) * RELATIVE_FLOOR_SHARE
+    s = scale or 1e-12
     for _ in range(IRLS_MAX_ITER):
         fitted = np.maximum(x @ beta, floor_y)
         rel = (y - fitted) / fitted
-        scale = MAD_TO_SIGMA * float(np.median(np.abs(rel - np.median(rel))))
-        if scale <= 0.0 or not math.isfinite(scale):
-            scale = float(np.std(rel)) or 1e-12
-        u = np.abs(rel) / (HUBER_K * scale)
-        w = np.where(u <= 1.0, 1.0, 1.0 / np.maximum(u, 1e-300))
+        if scale is None:
+            s = MAD_TO_SIGMA * float(np.median(np.abs(rel - np.median(rel))))
+            if s <= 0.0 or not math.isfinite(s):
+                s = float(np.std(rel)) or 1e-12
+        w = weight(np.abs(rel) / s)
+        if not np.any(w > 0):
+            break
         sw = np.sqrt(w) / fitted
         new, *_ = np.linalg.lstsq(x * sw[:, None], y * sw, rcond=None)
-        if np.max(np.abs(new - beta)) <= IRLS_TOL * (1.0 + np.max(np.abs(beta))):
-            beta = new
-            break
+        done = np.max(np.abs(new - beta)) <= IRLS_TOL * (1.0 + np.max(np.abs(beta)))
         beta = new
-    return beta, w
+        if done:
+            break
+    return beta, w, s
+
+
+def _huber_w(u: np.ndarray) -> np.ndarray:
+    return np.where(u <= HUBER_K, 1.0, HUBER_K / np.maximum(u, 1e-300))
+
+
+def _bisquare_w(u: np.ndarray) -> np.ndarray:
+    return np.where(u < BISQUARE_C, (1.0 - (u / BISQUARE_C) ** 2) ** 2, 0.0)
+
+
+def _huber_irls(x: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Robust fit of ``y ~ x @ beta`` on *relative* residuals (timing noise grows with the time:
+    a 2% wobble on a 100 ms transfer is not an outlier, 25 ms on a 2 ms one is): Huber IRLS from
+    least squares, then Tukey bisquare from the Huber fit with the Huber scale fixed, so gross
+    one-sided outliers (stalls) get zero weight instead of a small bias. Returns (beta, weights);
+    the weights are the bisquare ones."""
+    beta, *_ = np.linalg.lstsq(x, y, rcond=None)
+    floor_y = max(float(np.min(y[y > 0])) if np.any(y > 0) else 1.0, 1e-9) * RELATIVE_FLOOR_SHARE
+    beta, _, scale = _irls(x, y, beta, floor_y, _huber_w)
+    beta_b, w_b, _ = _irls(x, y, beta, floor_y, _bisquare_w, scale=scale)
+    if np.sum(w_b > 0) >= x.shape[1] + 1:
+        return beta_b, w_b
+    return beta, _huber_w(np.abs((y - np.maximum(x @ beta, floor_y)) / np.maximum(x @ beta, floor_y))
+                          / scale)
 
 
 def _design(b: np.ndarray, d: np.ndarray, with_desc: bool) -> np.ndarray:
@@ -220,9 +248,17 @@ def fit_floor_points(bytes: Sequence[float] | np.ndarray,  # noqa: A002 - unit n
     _, group = np.unique(keys, axis=0, return_inverse=True)
     group = group.ravel()
     members = [np.flatnonzero(group == g) for g in range(int(group.max()) + 1)]
+    # A sweep (few sizes, many repeats) is resampled within each size so every sample keeps the
+    # design; a serving trace (many sizes, one or two each) is resampled as a whole.
+    stratified = float(np.median([len(m) for m in members])) >= MIN_POINTS_PER_SIZE
     boots = np.empty((max(n_boot, 0), x.shape[1]))
     for i in range(len(boots)):
-        idx = np.concatenate([m[rng.integers(0, len(m), len(m))] for m in members])
+        if stratified:
+            idx = np.concatenate([m[rng.integers(0, len(m), len(m))] for m in members])
+        else:
+            idx = rng.integers(0, len(y), len(y))
+            while len(np.unique(b[idx])) < MIN_SIZES:
+                idx = rng.integers(0, len(y), len(y))
         boots[i], _ = _huber_irls(x[idx], y[idx])
     if len(boots):
         floors = boots[:, 0]

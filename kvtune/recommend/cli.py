@@ -46,8 +46,9 @@ def run(args: argparse.Namespace) -> int:
         hbm_budget_gb=args.hbm_budget_gb if args.hbm_budget_gb is not None else DEFAULT_HBM_BUDGET_GB,
         early_decode_ok=not args.no_early_decode, fabric=args.fabric,
         prefill_instances=args.prefill_instances, skip_bad=args.skip_bad, overwrite=args.force)
-    for r in (tuning.threshold, tuning.ttl, tuning.mode):
+    for r in (tuning.threshold, tuning.ttl):
         print(f"{r.name:24s} {r.value} {r.unit}  (range {r.range[0]} .. {r.range[1]})")
+    print(f"{'mode':24s} {tuning.mode.value}  (runner-up {tuning.mode.range[1]})")
     for f in tuning.findings:
         print(f"[{f.severity}] {f.code}: {f.message}")
     print(f"written: {out}")
