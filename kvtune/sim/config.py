@@ -1,0 +1,309 @@
+"""The simulator's inputs: hardware cost models, topology, reuse settings and the traffic to play.
+
+Everything is a frozen dataclass with the unit in each field name. A :class:`SimConfig` is built by
+hand, from a preset (:mod:`kvtune.sim.presets`) or from a measured fit (:meth:`SimConfig.from_fit`).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import numpy as np
+
+from kvtune import spans
+from kvtune.errors import SimError
+
+MODES: tuple[str, ...] = (spans.Mode.PUSH.value, spans.Mode.PULL.value, spans.Mode.BIDIRECTIONAL.value)
+"""Modes the simulator plays. Bidirectional = pull forward transfers + reverse reuse of history."""
+
+DIST_KINDS: tuple[str, ...] = ("fixed", "lognormal", "uniform", "exponential", "empirical")
+
+
+@dataclass(frozen=True)
+class Dist:
+    """A distribution of non-negative numbers (token counts, seconds).
+
+    ``fixed``: ``(value,)``; ``lognormal``: ``(median, sigma)``; ``uniform``: ``(lo, hi)``;
+    ``exponential``: ``(mean,)``; ``empirical``: the sample values (drawn with replacement).
+    """
+
+    kind: str
+    params: tuple[float, ...]
+
+    def __post_init__(self) -> None:
+        want = {"fixed": 1, "lognormal": 2, "uniform": 2, "exponential": 1}
+        if self.kind not in DIST_KINDS:
+            raise SimError(f"Dist.kind: expected one of {DIST_KINDS}, got {self.kind!r}")
+        n = want.get(self.kind)
+        if (n is not None and len(self.params) != n) or (self.kind == "empirical" and not self.params):
+            raise SimError(f"Dist {self.kind!r}: expected {n or 'at least 1'} parameter(s), "
+                           f"got {self.params!r}")
+        if any(not math.isfinite(p) or p < 0 for p in self.params):
+            raise SimError(f"Dist {self.kind!r}: expected finite non-negative parameters, got {self.params!r}")
+
+    @classmethod
+    def fixed(cls, value: float) -> Dist:
+        return cls("fixed", (float(value),))
+
+    @classmethod
+    def parse(cls, text: str | float | int | Dist) -> Dist:
+        """``"16000"`` (fixed), ``"lognormal:2000,0.6"``, ``"uniform:1,9"``, ``"exponential:30"``,
+        ``"empirical:1,5,30"``."""
+        if isinstance(text, Dist):
+            return text
+        if isinstance(text, (int, float)):
+            return cls.fixed(text)
+        kind, _, rest = str(text).partition(":")
+        try:
+            if not rest:
+                return cls.fixed(float(kind))
+            return cls(kind.strip(), tuple(float(x) for x in rest.split(",") if x.strip()))
+        except ValueError as exc:
+            raise SimError(f"distribution {text!r}: expected a number or KIND:P1,P2 "
+                           f"with KIND in {DIST_KINDS}") from exc
+
+    def mean(self) -> float:
+        k, p = self.kind, self.params
+        if k in ("fixed", "exponential"):
+            return p[0]
+        if k == "lognormal":
+            return p[0] * math.exp(p[1] ** 2 / 2)
+        if k == "uniform":
+            return (p[0] + p[1]) / 2
+        return float(np.mean(p))
+
+    def sample(self, rng: np.random.Generator, n: int) -> np.ndarray:
+        k, p = self.kind, self.params
+        if k == "fixed":
+            return np.full(n, p[0], dtype=float)
+        if k == "lognormal":
+            return p[0] * np.exp(p[1] * rng.standard_normal(n))
+        if k == "uniform":
+            return rng.uniform(p[0], p[1], n)
+        if k == "exponential":
+            return rng.exponential(p[0], n) if p[0] > 0 else np.zeros(n)
+        return rng.choice(np.asarray(p, dtype=float), n)
+
+
+@dataclass(frozen=True)
+class PrefillModel:
+    """Prefill compute time of ``R`` new tokens after a prefix of ``L`` tokens, one instance:
+    ``base_ms + R*per_token_ms + (R*L + R^2/2)/1000 * per_token_prefix_us/1000`` (the same form as
+    ``kvtune.analysis.PrefillCost``; the ``R^2/2`` is causal attention within the new tokens).
+    Each instance serves its queue first-in first-out, ``parallel_requests`` at a time."""
+
+    base_ms: float
+    per_token_ms: float
+    per_token_prefix_us: float = 0.0
+    parallel_requests: int = 1
+    """Prompts one instance computes together at the single-request speed: an engine whose one
+    prompt leaves the GPUs under-used (a latency-calibrated ``per_token_ms``) gains throughput by
+    batching prompts. 1 = strictly one at a time."""
+
+    def compute_ms(self, new_tokens: float, prefix_tokens: float = 0.0) -> float:
+        attn = (new_tokens * prefix_tokens + new_tokens * new_tokens / 2.0) / 1000.0
+        return self.base_ms + new_tokens * self.per_token_ms + attn * self.per_token_prefix_us / 1e3
+
+
+@dataclass(frozen=True)
+class DecodeModel:
+    """Time of one decode step of one instance: ``step_base_ms + batch*step_per_seq_ms +
+    context_tokens/1000 * step_per_kilotoken_us/1000`` (context = all tokens in the batch)."""
+
+    step_base_ms: float
+    step_per_seq_ms: float = 0.0
+    step_per_kilotoken_us: float = 0.0
+    kv_capacity_tokens: int = 1 << 40
+    """KV tokens one decode instance holds (running requests and retained histories)."""
+
+    def step_ms(self, batch: int, context_tokens: float) -> float:
+        return (self.step_base_ms + batch * self.step_per_seq_ms
+                + context_tokens * self.step_per_kilotoken_us / 1e6)
+
+
+@dataclass(frozen=True)
+class TransferModel:
+    """One KV movement: ``descriptor_setup = descriptors*per_descriptor_us`` then
+    ``rdma = floor_ms + bytes*8/bandwidth`` (bandwidth in 1e9 bit/s; the initiator's link is a FIFO:
+    concurrent transfers queue for its bandwidth). Bytes are per rank, as ``kv.bytes`` is."""
+
+    floor_ms: float
+    bandwidth_gbps: float
+    per_descriptor_us: float = 0.0
+    kv_bytes_per_token: int = 262144
+    block_tokens: int = 16
+    descriptors_per_block: int = 128
+    """Per-block layout: K and V per layer (2 x layers) descriptors for each block."""
+    notify_ms: float = 0.05
+    """Notification latency target <- initiator."""
+
+    def blocks(self, tokens: int) -> int:
+        return -(-int(tokens) // self.block_tokens)
+
+    def bytes(self, tokens: int) -> int:
+        return self.blocks(tokens) * self.block_tokens * self.kv_bytes_per_token
+
+    def descriptors(self, tokens: int) -> int:
+        return self.blocks(tokens) * self.descriptors_per_block
+
+    def setup_ms(self, tokens: int) -> float:
+        return self.descriptors(tokens) * self.per_descriptor_us / 1e3
+
+    def wire_ms(self, tokens: int) -> float:
+        """Link occupancy (bytes / bandwidth), without the floor."""
+        return self.bytes(tokens) * 8.0 / (self.bandwidth_gbps * 1e9) * 1e3
+
+
+@dataclass(frozen=True)
+class Overheads:
+    """Fixed latencies outside prefill, decode and the fabric."""
+
+    router_ms: float = 1.0
+    """Router work per request (parse, pick instances)."""
+    hop_ms: float = 1.0
+    """One HTTP hop router <-> instance (either way)."""
+    registration_base_ms: float = 1.0
+    """Push: decode allocates destination blocks and sends them to the prefill: fixed part."""
+    registration_per_block_us: float = 1.0
+
+
+@dataclass(frozen=True)
+class ReuseSettings:
+    """Bidirectional reuse and prefix caching."""
+
+    ttl_s: float = 60.0
+    """``decoder_kv_blocks_ttl``: how long a decode retains a finished conversation's KV."""
+    threshold_tokens: int = 1024
+    """``kv_recompute_threshold``: pull retained history of at least this many tokens, else recompute."""
+    prefix_caching: bool = False
+    """Prefix caching on the prefill: a conversation's history still in its cache is a local hit."""
+    prefill_cache_tokens: int = 0
+    """Prefix cache capacity of one prefill instance, tokens (LRU over conversations)."""
+    decode_local_prefix: bool = False
+    """The decode uses the retained blocks it holds as a local prefix, so the forward transfer moves
+    only the tokens it lacks; ``False``: the forward transfer moves the whole prompt's KV again."""
+
+
+@dataclass(frozen=True)
+class WorkloadSpec:
+    """Synthetic traffic: conversations start as a Poisson process so that requests arrive at about
+    ``qps``; each conversation has ``turns`` turns; turn ``k+1`` is sent ``think_time_s`` after turn
+    ``k`` finished, with prompt = previous prompt + previous output + ``new_tokens``."""
+
+    qps: float = 1.0
+    duration_s: float = 60.0
+    prompt_tokens: Dist = field(default_factory=lambda: Dist.fixed(1024))
+    """First-turn prompt length."""
+    output_tokens: Dist = field(default_factory=lambda: Dist.fixed(128))
+    turns: Dist = field(default_factory=lambda: Dist.fixed(1))
+    """Turns per conversation (rounded, at least 1)."""
+    new_tokens: Dist = field(default_factory=lambda: Dist.fixed(256))
+    """Tokens a later turn adds to the history (the user's new message)."""
+    think_time_s: Dist = field(default_factory=lambda: Dist("exponential", (10.0,)))
+    max_prompt_tokens: int = 131072
+    """Context limit: a conversation ends when its next prompt would exceed it."""
+    users: int = 0
+    """Closed loop instead of Poisson: this many users, each starting a new conversation
+    ``think_time_s`` after their previous one ended, until ``duration_s`` (``qps`` is then unused)."""
+
+    def __post_init__(self) -> None:
+        if not (self.qps > 0 and math.isfinite(self.qps)):
+            raise SimError(f"WorkloadSpec.qps: expected a positive number, got {self.qps!r}")
+        if not (self.duration_s > 0 and math.isfinite(self.duration_s)):
+            raise SimError(f"WorkloadSpec.duration_s: expected a positive number, got {self.duration_s!r}")
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    """One simulated deployment and its traffic."""
+
+    mode: str
+    prefill: PrefillModel
+    decode: DecodeModel
+    transfer: TransferModel
+    overheads: Overheads = field(default_factory=Overheads)
+    reuse: ReuseSettings = field(default_factory=ReuseSettings)
+    workload: WorkloadSpec = field(default_factory=WorkloadSpec)
+    requests: Any = None
+    """Replay instead of ``workload``: a DataFrame with ``arrival_s, prompt_tokens, output_tokens``
+    and optionally ``conversation_id, turn`` (see :func:`kvtune.sim.workload.requests_frame`)."""
+    prefill_instances: int = 1
+    decode_instances: int = 1
+    reverse_transfer: TransferModel | None = None
+    """Cost model of decode -> prefill history pulls; ``None``: same as ``transfer``."""
+    seed: int = 0
+    fabric: str = "sim"
+    model: str = ""
+    name: str = ""
+    start_unix_ns: int = 1_767_225_600_000_000_000
+    """Wall-clock time of simulated t=0 in the emitted spans (2026-01-01T00:00Z)."""
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise SimError(f"SimConfig.mode: expected one of {MODES}, got {self.mode!r}")
+        for name in ("prefill_instances", "decode_instances"):
+            if int(getattr(self, name)) < 1:
+                raise SimError(f"SimConfig.{name}: expected >= 1, got {getattr(self, name)!r}")
+        if self.transfer.bandwidth_gbps <= 0:
+            raise SimError(f"TransferModel.bandwidth_gbps: expected > 0, got {self.transfer.bandwidth_gbps!r}")
+
+    @property
+    def topology(self) -> str:
+        """``xPyD``."""
+        return f"{self.prefill_instances}P{self.decode_instances}D"
+
+    def with_(self, **changes: Any) -> SimConfig:
+        """A copy with fields replaced; ``workload``/``reuse``/... accept a dict of field changes."""
+        out: dict[str, Any] = {}
+        for key, value in changes.items():
+            cur = getattr(self, key)
+            if isinstance(value, dict) and hasattr(cur, "__dataclass_fields__"):
+                value = replace(cur, **value)
+            out[key] = value
+        return replace(self, **out)
+
+    @classmethod
+    def from_fit(cls, floor_fit: Any, prefill_cost: Any, *, base: SimConfig | None = None,
+                 mode: str | None = None, **changes: Any) -> SimConfig:
+        """Calibrate a config from a measured fabric fit and prefill cost.
+
+        ``floor_fit``: any object with ``floor_ms, bandwidth_gbps`` and optionally
+        ``per_descriptor_us`` (``kvtune.analysis.FloorFit``); ``prefill_cost``: any object with
+        ``per_token_ms`` and optionally ``per_token_prefix_us, base_ms``
+        (``kvtune.analysis.PrefillCost``). Either may be ``None`` to keep ``base``'s model.
+        Everything else (decode, overheads, model geometry) comes from ``base``
+        (default: the public H200 preset) and ``changes``.
+        """
+        if base is None:
+            from kvtune.sim.presets import public_h200_qwen3_32b
+            base = public_h200_qwen3_32b()
+        cfg = base
+        if floor_fit is not None:
+            fl = _field(floor_fit, "floor_ms", "floor_fit")
+            bw = _field(floor_fit, "bandwidth_gbps", "floor_fit")
+            pd = getattr(floor_fit, "per_descriptor_us", None)
+            tm = replace(cfg.transfer, floor_ms=fl, bandwidth_gbps=bw,
+                         per_descriptor_us=float(pd) if pd is not None else 0.0)
+            cfg = replace(cfg, transfer=tm, reverse_transfer=None)
+        if prefill_cost is not None:
+            pm = PrefillModel(
+                base_ms=float(getattr(prefill_cost, "base_ms", 0.0) or 0.0),
+                per_token_ms=_field(prefill_cost, "per_token_ms", "prefill_cost"),
+                per_token_prefix_us=float(getattr(prefill_cost, "per_token_prefix_us", 0.0) or 0.0),
+                parallel_requests=cfg.prefill.parallel_requests)
+            cfg = replace(cfg, prefill=pm)
+        if mode is not None:
+            changes["mode"] = mode
+        return cfg.with_(**changes) if changes else cfg
+
+
+def _field(obj: Any, name: str, what: str) -> float:
+    value = getattr(obj, name, None)
+    try:
+        value = float(value)
+    except (TypeError, ValueError):
+        raise SimError(f"{what}.{name}: expected a number, got {value!r}") from None
+    if not math.isfinite(value) or value < 0:
+        raise SimError(f"{what}.{name}: expected a finite non-negative number, got {value!r}")
+    return value

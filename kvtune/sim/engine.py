@@ -1,0 +1,545 @@
+"""The discrete-event core: router, prefill instances, decode engine loops, links and retention.
+
+Time is in milliseconds of simulated time from 0. One heap of ``(time_ms, seq, handler, arg)``
+events; ``seq`` keeps the order of simultaneous events deterministic. The mechanisms:
+
+* **prefill**: each instance serves its FIFO queue one request at a time
+  (:class:`~kvtune.sim.config.PrefillModel`); the router sends a request to the instance with the
+  least queued work (or the one holding the conversation's prefix when prefix caching is on).
+* **push**: the router picks the decode at arrival (early). The decode's registration of its
+  destination blocks runs while the prefill computes; after the rendezvous, the prefill's
+  background sender thread builds descriptors and posts the WRITE; the decode engine sees the
+  notification at its next loop boundary.
+* **pull** (and the forward leg of **bidirectional**): the prefill answers the router, which picks
+  the decode then (late). The decode engine loop builds the descriptors and posts the READ inline at
+  its next loop boundary, stalling its running decodes; it sees the completion at a later boundary.
+* **bidirectional**: a decode retains a finished request's KV for ``ttl_s`` (LRU-evicted when its
+  KV memory is needed); the next turn pulls that history back to the prefill when it holds at least
+  ``threshold_tokens`` (else recomputes), and the forward transfer moves only what the decode lacks.
+* **links**: each instance's NIC is a FIFO for ``bytes/bandwidth``; the floor is latency on top.
+"""
+from __future__ import annotations
+
+import heapq
+import math
+from collections import OrderedDict, deque
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from kvtune import spans
+from kvtune.sim.config import SimConfig
+
+PUSH, PULL, BIDI = spans.Mode.PUSH.value, spans.Mode.PULL.value, spans.Mode.BIDIRECTIONAL.value
+_NAN = math.nan
+_PROGRESS_EVERY_EVENTS = 20000  # progress bar refresh period, in events
+
+
+class Req:
+    """One request's state and timeline (ms). NaN = did not happen."""
+
+    __slots__ = (
+        "idx", "conv", "turn", "prompt", "output", "history", "arrival", "pinst", "dinst",
+        "at_prefill", "decision", "outcome", "remote_tokens", "cached", "computed",
+        "rev_setup_start", "rev_setup_end", "rev_rdma_end", "rev_notify", "rev_tokens",
+        "queue_enter", "prefill_start", "prefill_end",
+        "reg_start", "reg_end", "reg_arrive", "at_decode",
+        "setup_start", "setup_end", "rdma_post", "rdma_end", "notify", "fwd_tokens", "rev_rdma_post",
+        "kv_ready", "decode_start", "first_token", "last_token", "done", "retention",
+        "decode_assigned",
+    )
+
+    def __init__(self, idx: int, conv: int, turn: int, prompt: int, output: int, history: int,
+                 arrival: float) -> None:
+        self.idx, self.conv, self.turn = idx, conv, turn
+        self.prompt, self.output, self.history, self.arrival = prompt, output, history, arrival
+        self.pinst = self.dinst = -1
+        self.at_prefill = self.decision = _NAN
+        self.outcome = ""
+        self.remote_tokens = 0
+        self.cached = 0
+        self.computed = prompt
+        self.rev_setup_start = self.rev_setup_end = self.rev_rdma_end = self.rev_notify = _NAN
+        self.rev_tokens = 0
+        self.queue_enter = self.prefill_start = self.prefill_end = _NAN
+        self.reg_start = self.reg_end = self.reg_arrive = self.at_decode = _NAN
+        self.setup_start = self.setup_end = self.rdma_post = self.rdma_end = self.notify = _NAN
+        self.rev_rdma_post = _NAN
+        self.fwd_tokens = prompt
+        self.kv_ready = self.decode_start = self.first_token = self.last_token = self.done = _NAN
+        self.retention: Retention | None = None
+        self.decode_assigned = False
+
+
+class Retention:
+    """KV a decode keeps for a conversation after its request finished (bidirectional)."""
+
+    __slots__ = ("conv", "tokens", "start", "end", "outcome", "dinst", "req_idx", "ttl_s")
+
+    def __init__(self, conv: int, tokens: int, start: float, dinst: int, req_idx: int,
+                 ttl_s: float) -> None:
+        self.conv, self.tokens, self.start, self.dinst = conv, tokens, start, dinst
+        self.req_idx, self.ttl_s = req_idx, ttl_s
+        self.end = _NAN
+        self.outcome = ""
+
+
+class _Conversation:
+    __slots__ = ("cid", "turns", "outputs", "new_tokens", "gaps", "next_turn", "prompt",
+                 "last_outcome", "dinst", "pinst")
+
+    def __init__(self, cid: int, turns: int, first_prompt: int, outputs: np.ndarray,
+                 new_tokens: np.ndarray, gaps: np.ndarray) -> None:
+        self.cid, self.turns, self.prompt = cid, turns, first_prompt
+        self.outputs, self.new_tokens, self.gaps = outputs, new_tokens, gaps
+        self.next_turn = 1
+        self.last_outcome = ""
+        self.dinst = -1
+        self.pinst = -1
+
+
+class _Prefill:
+    __slots__ = ("idx", "queue", "active", "work_ms", "link_free", "sender_free", "cache", "cache_used",
+                 "rev_jobs")
+
+    def __init__(self, idx: int) -> None:
+        self.idx = idx
+        self.queue: deque[Req] = deque()
+        self.active = 0  # requests being computed (or reverse descriptors being built)
+        self.work_ms = 0.0  # queued + running compute, for routing
+        self.link_free = 0.0
+        self.sender_free = 0.0
+        self.cache: OrderedDict[int, int] = OrderedDict()
+        self.cache_used = 0
+        self.rev_jobs: deque[Req] = deque()  # reverse pulls whose descriptors are not built yet
+
+
+class _Decode:
+    __slots__ = ("idx", "running", "step_no", "ctx", "inbox", "ready", "busy", "link_free",
+                 "first_pending", "assigned", "mem_running", "retained", "mem_retained", "steps",
+                 "stall_ms", "reg_wait")
+
+    def __init__(self, idx: int) -> None:
+        self.idx = idx
+        self.running: list[tuple[int, int, Req]] = []  # heap of (finish step, idx, req)
+        self.step_no = 0
+        self.ctx = 0.0
+        self.inbox: list[Req] = []   # pull: arrived, descriptors not built yet
+        self.ready: list[Req] = []   # KV in place, waiting to be scheduled
+        self.busy = False
+        self.link_free = 0.0
+        self.first_pending: list[Req] = []
+        self.assigned = 0
+        self.mem_running = 0
+        self.retained: OrderedDict[int, Retention] = OrderedDict()
+        self.mem_retained = 0
+        self.steps = 0
+        self.stall_ms = 0.0
+        self.reg_wait: deque[Req] = deque()  # push: registrations waiting for KV memory
+
+
+class Simulation:
+    """Runs one :class:`SimConfig`; :meth:`run` fills :attr:`requests` and :attr:`retentions`."""
+
+    def __init__(self, config: SimConfig, *, progress: bool = False) -> None:
+        self.cfg = config
+        self.mode = config.mode
+        self.bidi = config.mode == BIDI
+        self.early_decode = config.mode == PUSH
+        self.progress = progress
+        self.pm, self.dm, self.tm = config.prefill, config.decode, config.transfer
+        self.rtm = config.reverse_transfer or config.transfer
+        self.ov, self.ru = config.overheads, config.reuse
+        self.prefills = [_Prefill(i) for i in range(config.prefill_instances)]
+        self.decodes = [_Decode(i) for i in range(config.decode_instances)]
+        self.requests: list[Req] = []
+        self.retentions: list[Retention] = []
+        self.convs: dict[int, _Conversation] = {}
+        self._heap: list[tuple[float, int, Callable[[Any], None], Any]] = []
+        self._seq = 0
+        self.now = 0.0
+        self.events = 0
+        self.user_rng: np.random.Generator | None = None  # closed-loop workloads
+
+    # --- event plumbing -----------------------------------------------------------------------
+    def at(self, t: float, fn: Callable[[Any], None], arg: Any = None) -> None:
+        self._seq += 1
+        heapq.heappush(self._heap, (t, self._seq, fn, arg))
+
+    def run(self) -> Simulation:
+        from kvtune.sim.workload import schedule_arrivals
+        horizon_ms = schedule_arrivals(self)
+        heap, pop = self._heap, heapq.heappop
+        bar = None
+        if self.progress:
+            from tqdm import tqdm
+            bar = tqdm(total=round(horizon_ms / 1e3), unit="sim-s", desc=f"sim {self.mode}",
+                       leave=False, mininterval=0.5)
+        shown = 0
+        n = 0
+        while heap:
+            t, _, fn, arg = pop(heap)
+            self.now = t
+            fn(arg)
+            n += 1
+            if bar is not None and n % _PROGRESS_EVERY_EVENTS == 0:
+                sec = min(round(t / 1e3), bar.total)
+                if sec > shown:
+                    bar.update(sec - shown)
+                    shown = sec
+        self.events = n
+        if bar is not None:
+            bar.update(max(0, bar.total - shown))
+            bar.close()
+        for d in self.decodes:  # close retentions still open at the end
+            for r in d.retained.values():
+                r.end, r.outcome = self.now, spans.RetentionOutcome.RELEASED.value
+            d.retained.clear()
+        return self
+
+    # --- arrivals -----------------------------------------------------------------------------
+    def new_request(self, conv: int, turn: int, prompt: int, output: int, history: int,
+                    arrival_ms: float) -> Req:
+        req = Req(len(self.requests), conv, turn, int(prompt), max(1, int(output)), int(history),
+                  arrival_ms)
+        self.requests.append(req)
+        self.at(arrival_ms, self.on_arrival, req)
+        return req
+
+    def on_arrival(self, req: Req) -> None:
+        t = self.now + self.ov.router_ms
+        p = self.pick_prefill(req)
+        req.pinst = p.idx
+        if self.early_decode:
+            d = self.pick_decode(req)
+            self.assign_decode(req, d)
+            req.at_decode = t + self.ov.hop_ms
+            self.at(req.at_decode, self.on_push_decode_arrival, req)
+        p.work_ms += req.prompt  # queued prompt tokens, for routing
+        self.at(t + self.ov.hop_ms, self.on_prefill_arrival, req)
+
+    def pick_prefill(self, req: Req) -> _Prefill:
+        ps = self.prefills
+        if len(ps) == 1:
+            return ps[0]
+        if self.ru.prefix_caching and req.history:
+            for p in ps:
+                if req.conv in p.cache:
+                    return p
+        return min(ps, key=lambda p: (p.work_ms, p.idx))
+
+    def pick_decode(self, req: Req) -> _Decode:
+        ds = self.decodes
+        if self.bidi and req.history:
+            conv = self.convs.get(req.conv)
+            if conv is not None and conv.dinst >= 0:
+                d = ds[conv.dinst]
+                if req.conv in d.retained:
+                    return d
+        if len(ds) == 1:
+            return ds[0]
+        return min(ds, key=lambda d: (d.assigned, d.idx))
+
+    def assign_decode(self, req: Req, d: _Decode) -> None:
+        req.dinst = d.idx
+        req.decode_assigned = True
+        d.assigned += 1
+
+    # --- prefill ------------------------------------------------------------------------------
+    def on_prefill_arrival(self, req: Req) -> None:
+        t = self.now
+        req.at_prefill = t
+        p = self.prefills[req.pinst]
+        local = 0
+        if self.ru.prefix_caching and req.history:
+            got = p.cache.get(req.conv)
+            if got is not None:
+                local = min(got, req.history)
+                p.cache.move_to_end(req.conv)
+        if self.bidi:
+            req.decision = t
+            self.reuse_decision(req, p, local, t)
+            if req.outcome == spans.ReuseOutcome.PULL.value:
+                return  # enqueued when the reverse transfer completes
+        else:
+            req.cached = local
+        req.computed = req.prompt - req.cached
+        self.enqueue_prefill(req, p, t)
+
+    def reuse_decision(self, req: Req, p: _Prefill, local: int, t: float) -> None:
+        RO = spans.ReuseOutcome
+        conv = self.convs.get(req.conv)
+        d = self.decodes[conv.dinst] if conv is not None and conv.dinst >= 0 else None
+        ret = d.retained.get(req.conv) if d is not None else None
+        if ret is None:
+            req.remote_tokens = 0
+            expired = req.history > 0 and conv is not None and conv.last_outcome in (
+                spans.RetentionOutcome.EXPIRED.value, spans.RetentionOutcome.EVICTED.value)
+            if local:
+                req.outcome, req.cached = RO.LOCAL_HIT.value, local
+            else:
+                req.outcome = RO.EXPIRED.value if expired else RO.NONE.value
+            return
+        # the decode's retained blocks become this request's prefix there: forward only the rest
+        remote = min(ret.tokens, req.history)
+        req.remote_tokens = remote
+        self.end_retention(d, ret, spans.RetentionOutcome.REUSED.value, t)
+        req.retention = ret
+        if self.ru.decode_local_prefix:
+            req.fwd_tokens = max(0, req.prompt - remote)
+        if req.dinst < 0:
+            self.assign_decode(req, d)
+        if local >= remote:
+            req.outcome, req.cached = RO.LOCAL_HIT.value, local
+        elif remote >= self.ru.threshold_tokens:
+            req.outcome, req.cached = RO.PULL.value, remote
+            req.rev_tokens = remote
+            # the prefill engine loop builds the descriptors inline at its next boundary
+            p.rev_jobs.append(req)
+            self.prefill_next(p, t)
+        else:
+            req.outcome, req.cached = RO.RECOMPUTE.value, local
+
+    def on_reverse_posted(self, req: Req) -> None:
+        p = self.prefills[req.pinst]
+        rm = self.rtm
+        req.rev_rdma_post = self.now
+        start = max(self.now, p.link_free)
+        p.link_free = start + rm.wire_ms(req.rev_tokens)
+        req.rev_rdma_end = p.link_free + rm.floor_ms
+        req.rev_notify = req.rev_rdma_end + rm.notify_ms
+        self.at(req.rev_rdma_end, self.on_reverse_done, req)
+        p.active -= 1
+        self.prefill_next(p, self.now)
+
+    def on_reverse_done(self, req: Req) -> None:
+        req.computed = req.prompt - req.cached
+        self.enqueue_prefill(req, self.prefills[req.pinst], self.now)
+
+    def enqueue_prefill(self, req: Req, p: _Prefill, t: float) -> None:
+        req.queue_enter = t
+        p.queue.append(req)
+        self.prefill_next(p, t)
+
+    def prefill_next(self, p: _Prefill, t: float) -> None:
+        """A prefill slot is free: reverse-pull descriptors first, then the next prefill (FIFO)."""
+        slots = self.pm.parallel_requests
+        while p.active < slots and p.rev_jobs:
+            req = p.rev_jobs.popleft()
+            p.active += 1
+            req.rev_setup_start = t
+            req.rev_setup_end = t + self.rtm.setup_ms(req.rev_tokens)
+            self.at(req.rev_setup_end, self.on_reverse_posted, req)
+        while p.active < slots and p.queue:
+            self.start_prefill(p, t)
+
+    def start_prefill(self, p: _Prefill, t: float) -> None:
+        req = p.queue.popleft()
+        p.active += 1
+        req.prefill_start = t
+        req.prefill_end = t + self.pm.compute_ms(req.computed, req.cached)
+        self.at(req.prefill_end, self.on_prefill_done, req)
+
+    def on_prefill_done(self, req: Req) -> None:
+        t = self.now
+        p = self.prefills[req.pinst]
+        p.work_ms -= req.prompt
+        p.active -= 1
+        if self.ru.prefix_caching and self.ru.prefill_cache_tokens > 0:
+            self.cache_prompt(p, req)
+        self.prefill_next(p, t)
+        if self.early_decode:
+            if req.reg_arrive <= t:
+                self.push_send(req, t)
+        else:  # pull: back to the router, which picks the decode now
+            self.at(t + 2 * self.ov.hop_ms, self.on_pull_decode_arrival, req)
+
+    def cache_prompt(self, p: _Prefill, req: Req) -> None:
+        cap = self.ru.prefill_cache_tokens
+        old = p.cache.pop(req.conv, 0)
+        p.cache_used -= old
+        tokens = min(req.prompt, cap)
+        while p.cache and p.cache_used + tokens > cap:
+            _, n = p.cache.popitem(last=False)
+            p.cache_used -= n
+        p.cache[req.conv] = tokens
+        p.cache_used += tokens
+
+    # --- push ---------------------------------------------------------------------------------
+    def on_push_decode_arrival(self, req: Req) -> None:
+        d = self.decodes[req.dinst]
+        if self.reserve(d, req):
+            self.register(req, self.now)
+        else:
+            d.reg_wait.append(req)
+
+    def register(self, req: Req, t: float) -> None:
+        reg = self.ov.registration_base_ms + self.tm.blocks(req.prompt) * self.ov.registration_per_block_us / 1e3
+        req.reg_start, req.reg_end = t, t + reg
+        req.reg_arrive = req.reg_end + self.ov.hop_ms
+        self.at(req.reg_arrive, self.on_registration, req)
+
+    def on_registration(self, req: Req) -> None:
+        # the prefill's sender thread builds the descriptors now, overlapping the prefill compute
+        p = self.prefills[req.pinst]
+        req.setup_start = max(self.now, p.sender_free)
+        req.setup_end = req.setup_start + self.tm.setup_ms(req.fwd_tokens)
+        p.sender_free = req.setup_end
+        if req.prefill_end <= self.now:  # prefill finished first
+            self.push_send(req, self.now)
+
+    def push_send(self, req: Req, t: float) -> None:
+        p = self.prefills[req.pinst]
+        tm = self.tm
+        req.rdma_post = max(req.setup_end, t)
+        start = max(req.rdma_post, p.link_free)
+        p.link_free = start + tm.wire_ms(req.fwd_tokens)
+        req.rdma_end = p.link_free + tm.floor_ms
+        req.notify = req.rdma_end + tm.notify_ms
+        self.at(req.notify, self.on_push_notified, req)
+
+    def on_push_notified(self, req: Req) -> None:
+        req.kv_ready = self.now
+        d = self.decodes[req.dinst]
+        d.ready.append(req)
+        self.wake(d)
+
+    # --- pull ---------------------------------------------------------------------------------
+    def on_pull_decode_arrival(self, req: Req) -> None:
+        if not req.decode_assigned:
+            self.assign_decode(req, self.pick_decode(req))
+        req.at_decode = self.now
+        d = self.decodes[req.dinst]
+        d.inbox.append(req)
+        self.wake(d)
+
+    def on_pull_done(self, req: Req) -> None:
+        req.kv_ready = self.now  # seen at the decode's next loop boundary
+        d = self.decodes[req.dinst]
+        d.ready.append(req)
+        self.wake(d)
+
+    # --- decode engine loop -------------------------------------------------------------------
+    def wake(self, d: _Decode) -> None:
+        if not d.busy:
+            d.busy = True
+            self.at(self.now, self.decode_tick, d)
+
+    def decode_tick(self, d: _Decode) -> None:
+        t = self.now
+        stall = 0.0
+        if d.inbox:  # pull: descriptors built and READs posted inline, running decodes wait
+            tm = self.tm
+            posted = 0
+            for req in d.inbox:
+                if not self.reserve(d, req):
+                    break  # no KV memory for its blocks yet: stays in the inbox (FIFO)
+                posted += 1
+                req.setup_start = t + stall
+                stall += tm.setup_ms(req.fwd_tokens)
+                req.setup_end = req.rdma_post = t + stall
+                start = max(req.setup_end, d.link_free)
+                d.link_free = start + tm.wire_ms(req.fwd_tokens)
+                req.rdma_end = d.link_free + tm.floor_ms
+                req.notify = req.rdma_end + tm.notify_ms
+                self.at(req.rdma_end, self.on_pull_done, req)
+            del d.inbox[:posted]
+            d.stall_ms += stall
+        t_adm = t + stall
+        if d.ready:
+            for req in d.ready:
+                req.decode_start = t_adm
+                heapq.heappush(d.running, (d.step_no + req.output, req.idx, req))
+                d.ctx += req.prompt
+                d.first_pending.append(req)
+            d.ready.clear()
+        if d.running:
+            step = self.dm.step_ms(len(d.running), d.ctx)
+            self.at(t_adm + step, self.decode_step_end, d)
+        elif stall > 0:
+            self.at(t_adm, self.decode_tick, d)
+        else:
+            d.busy = False
+
+    def decode_step_end(self, d: _Decode) -> None:
+        t = self.now
+        d.step_no += 1
+        d.steps += 1
+        d.ctx += len(d.running)
+        if d.first_pending:
+            for req in d.first_pending:
+                req.first_token = t
+            d.first_pending.clear()
+        running = d.running
+        while running and running[0][0] <= d.step_no:
+            _, _, req = heapq.heappop(running)
+            d.ctx -= req.prompt + req.output
+            d.mem_running -= req.prompt + req.output
+            self.finish(req, d, t)
+        while d.reg_wait and self.reserve(d, d.reg_wait[0]):
+            self.register(d.reg_wait.popleft(), t)
+        self.decode_tick(d)
+
+    def finish(self, req: Req, d: _Decode, t: float) -> None:
+        req.last_token = t
+        req.done = t + self.ov.hop_ms
+        d.assigned -= 1
+        conv = self.convs.get(req.conv)
+        if self.bidi:
+            self.retain(d, req, t)
+            if conv is not None:
+                conv.dinst = d.idx
+        if conv is not None:
+            from kvtune.sim.workload import next_turn
+            next_turn(self, conv, req)
+
+    # --- retention (bidirectional) ------------------------------------------------------------
+    def retain(self, d: _Decode, req: Req, t: float) -> None:
+        tokens = req.prompt + req.output
+        old = d.retained.get(req.conv)
+        if old is not None:
+            self.end_retention(d, old, spans.RetentionOutcome.RELEASED.value, t)
+        if self.ru.ttl_s <= 0:
+            return
+        ret = Retention(req.conv, tokens, t, d.idx, req.idx, self.ru.ttl_s)
+        self.retentions.append(ret)
+        if not self.make_room(d, tokens, t):
+            ret.end, ret.outcome = t, spans.RetentionOutcome.EVICTED.value
+            self._conv_outcome(ret)
+            return
+        d.retained[req.conv] = ret
+        d.mem_retained += tokens
+        self.at(t + self.ru.ttl_s * 1e3, self.on_ttl, ret)
+
+    def reserve(self, d: _Decode, req: Req) -> bool:
+        """Allocate the request's KV blocks on the decode (evicting retained histories if needed)."""
+        need = req.prompt + req.output
+        if d.mem_running + need > self.dm.kv_capacity_tokens and d.mem_running > 0:
+            return False
+        self.make_room(d, need, self.now)
+        d.mem_running += need
+        return True
+
+    def make_room(self, d: _Decode, tokens: int, t: float) -> bool:
+        cap = self.dm.kv_capacity_tokens
+        while d.retained and d.mem_running + d.mem_retained + tokens > cap:
+            _, victim = next(iter(d.retained.items()))
+            self.end_retention(d, victim, spans.RetentionOutcome.EVICTED.value, t)
+        return d.mem_running + d.mem_retained + tokens <= cap
+
+    def on_ttl(self, ret: Retention) -> None:
+        d = self.decodes[ret.dinst]
+        if d.retained.get(ret.conv) is ret:
+            self.end_retention(d, ret, spans.RetentionOutcome.EXPIRED.value, self.now)
+
+    def end_retention(self, d: _Decode, ret: Retention, outcome: str, t: float) -> None:
+        del d.retained[ret.conv]
+        d.mem_retained -= ret.tokens
+        ret.end, ret.outcome = t, outcome
+        self._conv_outcome(ret)
+
+    def _conv_outcome(self, ret: Retention) -> None:
+        conv = self.convs.get(ret.conv)
+        if conv is not None:
+            conv.last_outcome = ret.outcome

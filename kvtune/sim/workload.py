@@ -1,0 +1,190 @@
+"""Traffic for the simulator: synthetic conversations, replay of a request table, and the bridge
+from a measured ``kvtune.analysis.Workload`` summary to a :class:`WorkloadSpec`."""
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import pandas as pd
+
+from kvtune.errors import SimError
+from kvtune.sim.config import Dist, WorkloadSpec
+
+if TYPE_CHECKING:
+    from kvtune.sim.engine import Req, Simulation, _Conversation
+
+REPLAY_REQUIRED: tuple[str, ...] = ("arrival_s", "prompt_tokens", "output_tokens")
+REPLAY_OPTIONAL: tuple[str, ...] = ("conversation_id", "turn")
+
+NEW_TOKENS_SHARE = 0.05
+"""From a Workload summary (which has no per-turn growth): a later turn adds this share of the
+median prompt as new tokens (at least ``MIN_NEW_TOKENS``)."""
+MIN_NEW_TOKENS = 16
+DEFAULT_THINK_TIME_S = 10.0
+"""Mean think time when a Workload summary has no inter-turn gaps."""
+GEOMETRIC_SAMPLE = 4096  # size of the empirical sample standing for a geometric turns distribution
+MIN_SPEC_DURATION_S = 30.0
+
+
+def schedule_arrivals(sim: Simulation) -> float:
+    """Put the first requests on the simulation's heap; returns the arrival horizon in ms."""
+    cfg = sim.cfg
+    if cfg.requests is not None:
+        return _schedule_replay(sim, requests_frame(cfg.requests))
+    return _schedule_synthetic(sim, cfg.workload, cfg.seed)
+
+
+def _new_conversation(sim: Simulation, w: WorkloadSpec, rng: np.random.Generator,
+                      start_ms: float) -> None:
+    from kvtune.sim.engine import _Conversation
+    k = max(1, int(np.rint(w.turns.sample(rng, 1)[0])))
+    first = int(np.clip(np.rint(w.prompt_tokens.sample(rng, 1)[0]), 1, w.max_prompt_tokens))
+    outputs = np.maximum(1, np.rint(w.output_tokens.sample(rng, k))).astype(np.int64)
+    new = np.maximum(1, np.rint(w.new_tokens.sample(rng, k))).astype(np.int64)
+    conv = _Conversation(len(sim.convs), k, first, outputs, new, w.think_time_s.sample(rng, k))
+    sim.convs[conv.cid] = conv
+    sim.new_request(conv.cid, 1, conv.prompt, int(conv.outputs[0]), 0, start_ms)
+
+
+def _schedule_synthetic(sim: Simulation, w: WorkloadSpec, seed: int) -> float:
+    from kvtune.sim.engine import _Conversation
+    rng = np.random.default_rng(seed)
+    if w.users > 0:  # closed loop: each user starts a new conversation when the last one ended
+        sim.user_rng = rng
+        for start in rng.uniform(0.0, max(w.think_time_s.mean(), 1e-3), w.users):
+            _new_conversation(sim, w, rng, float(start) * 1e3)
+        return w.duration_s * 1e3
+    mean_turns = max(1.0, w.turns.mean())
+    rate = w.qps / mean_turns  # conversations per second
+    n_est = int(rate * w.duration_s * 1.3 + 10 * math.sqrt(rate * w.duration_s + 1) + 10)
+    starts = np.cumsum(rng.exponential(1.0 / rate, n_est))
+    while starts[-1] < w.duration_s:  # rare: extend
+        starts = np.concatenate([starts, starts[-1] + np.cumsum(rng.exponential(1.0 / rate, n_est))])
+    starts = starts[starts < w.duration_s]
+    n = len(starts)
+    turns = np.maximum(1, np.rint(w.turns.sample(rng, n))).astype(np.int64)
+    first = np.clip(np.rint(w.prompt_tokens.sample(rng, n)), 1, w.max_prompt_tokens).astype(np.int64)
+    total = int(turns.sum())
+    outputs = np.maximum(1, np.rint(w.output_tokens.sample(rng, total))).astype(np.int64)
+    new = np.maximum(1, np.rint(w.new_tokens.sample(rng, total))).astype(np.int64)
+    gaps = w.think_time_s.sample(rng, total)
+    off = 0
+    for cid in range(n):
+        k = int(turns[cid])
+        conv = _Conversation(cid, k, int(first[cid]), outputs[off:off + k], new[off:off + k],
+                             gaps[off:off + k])
+        off += k
+        sim.convs[cid] = conv
+        sim.new_request(cid, 1, conv.prompt, int(conv.outputs[0]), 0, float(starts[cid]) * 1e3)
+    return w.duration_s * 1e3
+
+
+def next_turn(sim: Simulation, conv: _Conversation, req: Req) -> None:
+    """Schedule a conversation's next turn after ``req`` finished (closed loop within a session)."""
+    k = conv.next_turn
+    w = sim.cfg.workload
+    history = req.prompt + req.output
+    prompt = history + int(conv.new_tokens[k]) if k < conv.turns else 0
+    if k >= conv.turns or prompt > w.max_prompt_tokens:
+        conv.turns = k
+        if sim.user_rng is not None:  # closed loop: this user's next conversation
+            start = req.done + float(conv.gaps[k - 1]) * 1e3
+            if start < w.duration_s * 1e3:
+                _new_conversation(sim, w, sim.user_rng, start)
+        return
+    conv.next_turn = k + 1
+    sim.new_request(conv.cid, k + 1, prompt, int(conv.outputs[k]), history,
+                    req.done + float(conv.gaps[k]) * 1e3)
+
+
+def _schedule_replay(sim: Simulation, df: pd.DataFrame) -> float:
+    from kvtune.sim.engine import _Conversation
+    has_conv = "conversation_id" in df.columns
+    df = df.sort_values("arrival_s", kind="stable")
+    t0 = float(df["arrival_s"].min()) if len(df) else 0.0
+    conv_ids: dict[Any, int] = {}
+    last: dict[int, int] = {}  # conv -> previous prompt + output
+    turns: dict[int, int] = {}
+    cols = [df["arrival_s"].to_numpy(float), df["prompt_tokens"].to_numpy(np.int64),
+            df["output_tokens"].to_numpy(np.int64)]
+    conv_col = df["conversation_id"].to_numpy(object) if has_conv else [None] * len(df)
+    for arr, prompt, out, cid in zip(*cols, conv_col):
+        if cid is None or (isinstance(cid, float) and math.isnan(cid)) or cid is pd.NA:
+            c = len(conv_ids) + len(turns) + 10**9  # a conversation of its own
+            history = 0
+        else:
+            c = conv_ids.setdefault(cid, len(conv_ids))
+            prev = last.get(c, 0)
+            history = prev if 0 < prev <= prompt else 0
+            if c not in sim.convs:
+                sim.convs[c] = _Conversation(c, 0, int(prompt), np.zeros(0, np.int64),
+                                             np.zeros(0, np.int64), np.zeros(0))
+            last[c] = int(prompt + out)
+        turns[c] = turns.get(c, 0) + 1
+        sim.new_request(c, turns[c], int(prompt), int(out), int(history), (arr - t0) * 1e3)
+    return (float(df["arrival_s"].max()) - t0) * 1e3 if len(df) else 0.0
+
+
+def requests_frame(requests: Any) -> pd.DataFrame:
+    """Validate a replay table: ``arrival_s`` (s), ``prompt_tokens``, ``output_tokens`` and
+    optionally ``conversation_id`` and ``turn``. Also takes a ``SimResult.requests`` frame."""
+    if not isinstance(requests, pd.DataFrame):
+        raise SimError(f"requests: expected a pandas DataFrame with columns {REPLAY_REQUIRED}, "
+                       f"got {type(requests).__name__}")
+    missing = [c for c in REPLAY_REQUIRED if c not in requests.columns]
+    if missing:
+        raise SimError(f"requests: missing column(s) {missing}; expected {REPLAY_REQUIRED} "
+                       f"(+ optional {REPLAY_OPTIONAL})")
+    df = requests[[c for c in REPLAY_REQUIRED + REPLAY_OPTIONAL if c in requests.columns]].copy()
+    for c in REPLAY_REQUIRED:
+        vals = pd.to_numeric(df[c], errors="coerce")
+        if vals.isna().any() or (vals < 0).any():
+            raise SimError(f"requests.{c}: expected non-negative numbers, "
+                           f"got {int(vals.isna().sum())} missing/invalid and {int((vals < 0).sum())} negative")
+        df[c] = vals.astype(float)
+    df["prompt_tokens"] = df["prompt_tokens"].clip(lower=1).round().astype(np.int64)
+    df["output_tokens"] = df["output_tokens"].clip(lower=1).round().astype(np.int64)
+    return df
+
+
+def spec_from_workload(workload: Any, *, duration_s: float | None = None) -> WorkloadSpec:
+    """A :class:`WorkloadSpec` from a measured summary (``kvtune.analysis.Workload`` or any object
+    with ``qps, prompt_tokens_p50, prompt_tokens_p90, output_tokens_p50,
+    turns_per_conversation_mean, gaps_s, duration_s``).
+
+    Assumptions: first-turn prompts are log-normal through p50 and p90; outputs are fixed at p50;
+    turns per conversation are geometric with the measured mean; a later turn adds
+    ``NEW_TOKENS_SHARE`` of the median prompt; think times are drawn from the measured gaps.
+    """
+    def num(name: str, default: float | None = None) -> float:
+        v = getattr(workload, name, default)
+        try:
+            v = float(v)
+        except (TypeError, ValueError):
+            v = math.nan
+        if not math.isfinite(v):
+            if default is None:
+                raise SimError(f"workload.{name}: expected a number, got {getattr(workload, name, None)!r}")
+            return float(default)
+        return v
+
+    qps = num("qps")
+    p50 = max(1.0, num("prompt_tokens_p50"))
+    p90 = max(p50, num("prompt_tokens_p90", p50))
+    sigma = math.log(p90 / p50) / 1.2816 if p90 > p50 else 0.0
+    prompt = Dist("lognormal", (p50, sigma)) if sigma > 0 else Dist.fixed(p50)
+    out = Dist.fixed(max(1.0, num("output_tokens_p50", 128)))
+    mean_turns = max(1.0, num("turns_per_conversation_mean", 1.0))
+    if mean_turns > 1.0:
+        g = np.random.default_rng(0).geometric(1.0 / mean_turns, GEOMETRIC_SAMPLE)
+        turns = Dist("empirical", tuple(float(x) for x in g))
+    else:
+        turns = Dist.fixed(1)
+    gaps = tuple(float(g) for g in (getattr(workload, "gaps_s", None) or ()) if g is not None
+                 and math.isfinite(float(g)) and float(g) >= 0)
+    think = Dist("empirical", gaps) if gaps else Dist("exponential", (DEFAULT_THINK_TIME_S,))
+    new = Dist.fixed(max(MIN_NEW_TOKENS, round(p50 * NEW_TOKENS_SHARE)))
+    dur = duration_s if duration_s is not None else max(MIN_SPEC_DURATION_S, num("duration_s", 60.0))
+    return WorkloadSpec(qps=qps, duration_s=dur, prompt_tokens=prompt, output_tokens=out, turns=turns,
+                        new_tokens=new, think_time_s=think)

@@ -1,0 +1,315 @@
+"""kvtune.sim: mechanisms on hand-computed cases, reuse outcomes, spans, replay, CLI."""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import replace
+from types import SimpleNamespace
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from kvtune import spans as S
+from kvtune.errors import KvtuneError, SimError
+from kvtune.sim import (REQUEST_COLUMNS, DecodeModel, Dist, Overheads, PrefillModel, ReuseSettings,
+                        SimConfig, TransferModel, WorkloadSpec, simulate)
+from kvtune.sim.workload import spec_from_workload
+
+PROMPT = 4096
+
+
+def tiny(mode: str, **changes) -> SimConfig:
+    """A small deployment with round numbers, for hand-computed timelines."""
+    cfg = SimConfig(
+        mode=mode,
+        prefill=PrefillModel(base_ms=5.0, per_token_ms=0.01, per_token_prefix_us=0.0),
+        decode=DecodeModel(step_base_ms=10.0, step_per_seq_ms=1.0, step_per_kilotoken_us=0.0),
+        transfer=TransferModel(floor_ms=20.0, bandwidth_gbps=80.0, per_descriptor_us=1.0,
+                               kv_bytes_per_token=1000, block_tokens=16, descriptors_per_block=10,
+                               notify_ms=0.5),
+        overheads=Overheads(router_ms=1.0, hop_ms=2.0, registration_base_ms=1.0,
+                            registration_per_block_us=0.0),
+        workload=WorkloadSpec(qps=1.0, duration_s=1.0, prompt_tokens=Dist.fixed(PROMPT),
+                              output_tokens=Dist.fixed(4), turns=Dist.fixed(1)),
+    )
+    return cfg.with_(**changes) if changes else cfg
+
+
+def one_request(mode: str, **changes) -> pd.DataFrame:
+    frame = pd.DataFrame({"arrival_s": [0.0], "prompt_tokens": [PROMPT], "output_tokens": [4]})
+    return simulate(tiny(mode, requests=frame, **changes)).requests
+
+
+def test_push_single_request_matches_hand_computed_timeline():
+    df = one_request("push")
+    # prefill: arrives 1 + 2 = 3 ms, computes 5 + 4096 * 0.01 = 45.96 ms -> done 48.96
+    # registration: decode at 3, sent at 4, at prefill at 6; descriptors (256 blocks * 10 * 1 us
+    # = 2.56 ms) built 6 -> 8.56, overlapping the prefill. WRITE posted at 48.96:
+    # 4096 * 1000 B * 8 / 80 Gb/s = 0.4096 ms + 20 floor -> 69.3696; notified 69.8696;
+    # the idle decode schedules it at once; first step 10 + 1 = 11 ms -> 80.8696; +2 hop.
+    assert df.loc[0, "ttft_ms"] == pytest.approx(82.8696, abs=1e-6)
+    assert df.loc[0, "transfer_ms"] == pytest.approx(69.3696 - 6.0, abs=1e-6)  # setup start -> done
+    assert df.loc[0, "prefill_ms"] == pytest.approx(45.96)
+
+
+def test_pull_single_request_matches_hand_computed_timeline():
+    df = one_request("pull")
+    # prefill done 48.96; back to the router and on to the decode: + 2 * 2 = 52.96; the decode
+    # builds descriptors inline (2.56) -> READ posted 55.52; done 55.52 + 0.4096 + 20 = 75.9296;
+    # scheduled at once (idle decode), first step 11 ms -> 86.9296; + 2 hop.
+    assert df.loc[0, "ttft_ms"] == pytest.approx(88.9296, abs=1e-6)
+    assert df.loc[0, "transfer_ms"] == pytest.approx(75.9296 - 52.96, abs=1e-6)
+
+
+def test_push_hides_descriptor_setup_behind_prefill_and_pull_pays_it():
+    push, pull = one_request("push"), one_request("pull")
+    extra = pull.loc[0, "ttft_ms"] - push.loc[0, "ttft_ms"]
+    # when idle, pull pays the two extra hops and the inline descriptor setup; push waits for the
+    # notification (0.5 ms) where pull's decode sees its own READ complete
+    assert extra == pytest.approx(2 * 2.0 + 2.56 - 0.5, abs=1e-6)
+
+
+def test_pull_descriptor_setup_stalls_running_decodes():
+    wl = WorkloadSpec(qps=4.0, duration_s=20.0, prompt_tokens=Dist.fixed(8000),
+                      output_tokens=Dist.fixed(200), turns=Dist.fixed(1))
+    slow_setup = TransferModel(floor_ms=5.0, bandwidth_gbps=800.0, per_descriptor_us=2.0,
+                               kv_bytes_per_token=1000, descriptors_per_block=64)
+    push = simulate(tiny("push", workload=wl, transfer=slow_setup))
+    pull = simulate(tiny("pull", workload=wl, transfer=slow_setup))
+    assert push.decode_stall_ms == 0.0
+    # 500 blocks * 64 descriptors * 2 us = 64 ms per request, inline in the decode loop
+    assert pull.decode_stall_ms == pytest.approx(64.0 * len(pull.requests), rel=1e-9)
+    assert pull.requests["tpot_ms"].median() > push.requests["tpot_ms"].median()
+    assert pull.requests["ttft_ms"].median() > push.requests["ttft_ms"].median()
+
+
+def test_request_table_columns_and_units():
+    res = simulate(tiny("push", workload=replace(tiny("push").workload, qps=5.0, duration_s=4.0)))
+    df = res.requests
+    assert tuple(df.columns) == REQUEST_COLUMNS
+    assert len(df) > 5
+    assert (df["ttft_ms"] > 0).all() and (df["e2e_ms"] >= df["ttft_ms"]).all()
+    assert (df["first_token_s"] * 1e3 >= df["arrival_s"] * 1e3 + df["prefill_ms"]).all()
+    assert set(df["mode"]) == {"push"}
+    assert df["reuse_outcome"].eq("").all()
+
+
+def test_deterministic_for_a_seed_and_different_across_seeds():
+    cfg = tiny("pull", workload=WorkloadSpec(qps=6.0, duration_s=5.0,
+                                             prompt_tokens=Dist("lognormal", (2000, 0.5)),
+                                             output_tokens=Dist.fixed(16)))
+    a, b = simulate(cfg).requests, simulate(cfg).requests
+    pd.testing.assert_frame_equal(a, b)
+    c = simulate(cfg.with_(seed=1)).requests
+    assert not a["prompt_tokens"].equals(c["prompt_tokens"])
+
+
+def two_turns(think_s: float, *, ttl_s: float = 30.0, threshold: int = 1024, first: int = 3000,
+              capacity: int = 1 << 40, users: int = 1) -> SimConfig:
+    wl = WorkloadSpec(qps=0.5, duration_s=2.0, prompt_tokens=Dist.fixed(first),
+                      output_tokens=Dist.fixed(50), turns=Dist.fixed(2), new_tokens=Dist.fixed(100),
+                      think_time_s=Dist.fixed(think_s), users=users)
+    return tiny("bidirectional", workload=wl,
+                reuse=ReuseSettings(ttl_s=ttl_s, threshold_tokens=threshold),
+                decode=replace(tiny("push").decode, kv_capacity_tokens=capacity))
+
+
+def test_bidirectional_pulls_history_back_and_computes_only_new_tokens():
+    res = simulate(two_turns(1.0))
+    df = res.requests.set_index("turn")
+    assert df.loc[1, "reuse_outcome"] == S.ReuseOutcome.NONE.value
+    assert df.loc[2, "reuse_outcome"] == S.ReuseOutcome.PULL.value
+    assert df.loc[2, "history_tokens"] == 3050
+    assert df.loc[2, "cached_tokens"] == 3050 and df.loc[2, "computed_tokens"] == 100
+    assert df.loc[2, "reverse_tokens"] == 3050 and df.loc[2, "reverse_ms"] > 20.0  # the floor
+    # turn 1's history was reused; turn 2's is kept until its TTL runs out
+    assert [r.outcome for r in res.retentions] == [S.RetentionOutcome.REUSED.value,
+                                                   S.RetentionOutcome.EXPIRED.value]
+
+
+def test_bidirectional_recomputes_below_the_threshold_and_after_expiry():
+    below = simulate(two_turns(1.0, threshold=10_000)).requests.set_index("turn")
+    assert below.loc[2, "reuse_outcome"] == S.ReuseOutcome.RECOMPUTE.value
+    assert below.loc[2, "computed_tokens"] == below.loc[2, "prompt_tokens"]
+    expired = simulate(two_turns(5.0, ttl_s=2.0))
+    assert expired.requests.set_index("turn").loc[2, "reuse_outcome"] == S.ReuseOutcome.EXPIRED.value
+    assert expired.retentions[0].outcome == S.RetentionOutcome.EXPIRED.value
+    assert expired.retentions[0].end - expired.retentions[0].start == pytest.approx(2000.0)
+
+
+def test_retention_is_capacity_limited():
+    # 3 users' histories (3050 tokens each) do not fit beside each other in 5000 tokens
+    res = simulate(two_turns(1.0, capacity=5000, users=3).with_(
+        workload={"duration_s": 30.0, "users": 3}))
+    outcomes = {r.outcome for r in res.retentions}
+    assert S.RetentionOutcome.EVICTED.value in outcomes
+    assert (res.requests["reuse_outcome"] == S.ReuseOutcome.EXPIRED.value).any()
+
+
+def test_replay_frame_links_turns_of_a_conversation():
+    frame = pd.DataFrame({
+        "arrival_s": [0.0, 0.1, 3.0], "prompt_tokens": [2000, 500, 2150], "output_tokens": [50, 5, 20],
+        "conversation_id": ["a", "b", "a"]})
+    df = simulate(tiny("bidirectional", requests=frame)).requests
+    assert list(df["prompt_tokens"]) == [2000, 500, 2150]
+    assert list(df["turn"]) == [1, 1, 2]
+    assert df.loc[2, "history_tokens"] == 2050
+    assert df.loc[2, "reuse_outcome"] == S.ReuseOutcome.PULL.value
+
+
+def test_replay_rejects_bad_frames():
+    with pytest.raises(SimError, match="missing column"):
+        simulate(tiny("push", requests=pd.DataFrame({"arrival_s": [0.0]})))
+    with pytest.raises(SimError, match="prompt_tokens"):
+        simulate(tiny("push", requests=pd.DataFrame(
+            {"arrival_s": [0.0], "prompt_tokens": [-3], "output_tokens": [1]})))
+
+
+def test_config_errors_name_the_field():
+    with pytest.raises(SimError, match="SimConfig.mode"):
+        tiny("sideways")
+    with pytest.raises(SimError, match="WorkloadSpec.qps"):
+        WorkloadSpec(qps=0)
+    with pytest.raises(KvtuneError, match="Dist"):
+        Dist.parse("zipf:1")
+    with pytest.raises(SimError, match="floor_fit.floor_ms"):
+        SimConfig.from_fit(SimpleNamespace(floor_ms=None, bandwidth_gbps=1.0), None)
+
+
+def test_dist_parse_and_sample():
+    assert Dist.parse("16000") == Dist.fixed(16000)
+    d = Dist.parse("lognormal:2000,0.5")
+    x = d.sample(np.random.default_rng(0), 20000)
+    assert np.median(x) == pytest.approx(2000, rel=0.03)
+    assert Dist.parse("empirical:1,2,3").mean() == 2.0
+
+
+def test_from_fit_takes_fabric_and_prefill_fields():
+    fit = SimpleNamespace(floor_ms=12.5, bandwidth_gbps=100.0, per_descriptor_us=None)
+    cost = SimpleNamespace(per_token_ms=0.02, per_token_prefix_us=1.5, base_ms=3.0)
+    cfg = SimConfig.from_fit(fit, cost, mode="pull")
+    assert cfg.mode == "pull"
+    assert (cfg.transfer.floor_ms, cfg.transfer.bandwidth_gbps, cfg.transfer.per_descriptor_us) == (12.5, 100.0, 0.0)
+    assert cfg.prefill.compute_ms(1000, 2000) == pytest.approx(3.0 + 20.0 + (2000 + 500) * 1.5 / 1e3)
+    try:
+        from kvtune.analysis import FloorFit
+    except ImportError:  # built in parallel
+        return
+    real = FloorFit(floor_ms=7.0, bandwidth_gbps=50.0, per_descriptor_us=0.3, floor_ci_ms=(6.0, 8.0),
+                    bandwidth_ci_gbps=(40.0, 60.0), per_descriptor_ci_us=(0.2, 0.4), r2=0.99,
+                    n_transfers=100, n_sizes=6)
+    cfg = SimConfig.from_fit(real, None)
+    assert cfg.transfer.floor_ms == 7.0 and cfg.transfer.per_descriptor_us == 0.3
+
+
+def test_spec_from_workload_summary():
+    w = SimpleNamespace(n_requests=500, qps=3.0, prompt_tokens_p50=4000, prompt_tokens_p90=9000,
+                        prompt_tokens_p99=15000, output_tokens_p50=200, multi_turn_share=0.8,
+                        turns_per_conversation_mean=5.0, gaps_s=(2.0, 4.0, 8.0), reuse_outcomes={},
+                        duration_s=120.0)
+    spec = spec_from_workload(w)
+    assert spec.qps == 3.0 and spec.duration_s == 120.0
+    assert spec.prompt_tokens.kind == "lognormal" and spec.prompt_tokens.params[0] == 4000
+    assert spec.turns.mean() == pytest.approx(5.0, rel=0.1)
+    assert spec.think_time_s == Dist("empirical", (2.0, 4.0, 8.0))
+    with pytest.raises(SimError, match="workload.qps"):
+        spec_from_workload(SimpleNamespace(qps=None, prompt_tokens_p50=1))
+
+
+def _sim_for_spans(mode: str):
+    if mode == "bidirectional":
+        return simulate(two_turns(1.0).with_(workload={"duration_s": 10.0, "qps": 1.0}))
+    return simulate(tiny(mode, workload=replace(tiny(mode).workload, qps=4.0, duration_s=3.0)))
+
+
+@pytest.mark.parametrize("mode", ["push", "pull", "bidirectional"])
+def test_spans_follow_the_convention_and_round_trip(tmp_path, mode):
+    res = _sim_for_spans(mode)
+    path = tmp_path / "spans.jsonl"
+    n = res.write_spans(path)
+    mem = res.spans()
+    assert n == len(mem) > 0
+    names = {s.name for s in mem}
+    assert names <= S.span_names()
+    for s in mem:
+        for key in s.attributes:
+            assert key in S.ATTRIBUTE_TYPES, key
+            assert isinstance(s.attributes[key], S.ATTRIBUTE_TYPES[key]) or (
+                S.ATTRIBUTE_TYPES[key] is float and isinstance(s.attributes[key], int)), key
+        assert s.end_time >= s.start_time
+    expected = {S.SpanName.REQUEST, S.SpanName.PREFILL, S.SpanName.DESCRIPTOR_SETUP,
+                S.SpanName.RDMA, S.SpanName.NOTIFY, S.SpanName.DECODE_START}
+    if mode == "push":
+        expected |= {S.SpanName.REGISTRATION, S.SpanName.RENDEZVOUS}
+    if mode == "bidirectional":
+        expected |= {S.SpanName.REUSE_DECISION, S.SpanName.RETENTION}
+    assert names == {e.value for e in expected}
+    rdma = [s for s in mem if s.name == S.SpanName.RDMA.value]
+    op = {S.NixlOp.WRITE.value} if mode == "push" else {S.NixlOp.READ.value}
+    assert {s.attributes[S.NIXL_OP] for s in rdma if s.attributes[S.DIRECTION] == "forward"} == op
+    lines = path.read_text().splitlines()
+    doc = json.loads(lines[0])
+    services = {a["value"]["stringValue"] for rs in doc["resourceSpans"]
+                for a in rs["resource"]["attributes"] if a["key"] == S.SERVICE_NAME}
+    assert services == {S.service_name(r) for r in ("router", "prefill", "decode")}
+
+    traces = pytest.importorskip("kvtune.traces")
+    df = traces.load(path)
+    assert len(df) == n
+    assert set(df["name"]) == names
+    assert all(v == 0 for v in df.attrs["clock_offsets_ns"].values())  # one consistent clock
+    req = df[df["name"] == S.SpanName.REQUEST.value]
+    merged = req.merge(res.requests, left_on=S.REQUEST_ID, right_on="request_id")
+    assert np.allclose(merged[S.TTFT_MS].astype(float), merged["ttft_ms"])
+    tids = df[S.TRANSFER_ID].dropna()
+    assert tids.str.endswith(":forward").any()
+    if mode == "bidirectional":
+        assert tids.str.endswith(":reverse").any()
+
+
+def test_transfers_table_from_simulated_spans(tmp_path):
+    traces = pytest.importorskip("kvtune.traces")
+    analysis = pytest.importorskip("kvtune.analysis")
+    if not hasattr(analysis, "transfers"):
+        pytest.skip("kvtune.analysis.transfers not built yet")
+    res = _sim_for_spans("push")
+    res.write_spans(tmp_path / "s.jsonl")
+    tr = analysis.transfers(traces.load(tmp_path / "s.jsonl"))
+    assert len(tr) == len(res.requests)
+    sim_ms = res.requests.set_index("request_id")
+    for row in tr.itertuples():
+        want = sim_ms.loc[row.request_id]
+        assert row.bytes == PROMPT * 1000
+        assert row.rdma_ms == pytest.approx(20.0 + 0.4096, abs=0.01) or row.rdma_ms > 20.4
+        assert row.descriptor_setup_ms == pytest.approx(2.56, abs=1e-3)
+        assert want["ttft_ms"] > row.rdma_ms
+
+
+def test_cli_writes_spans_requests_and_summary(tmp_path, capsys):
+    from kvtune.cli import main
+    out = tmp_path / "run"
+    rc = main(["sim", "--preset", "public-h200-qwen3-32b", "--mode", "push", "--qps", "2",
+               "--prompt-tokens", "4000", "--duration-s", "5", "--out", str(out)])
+    assert rc == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["mode"] == "push" and summary["requests"] > 0
+    assert summary["spans"] == len((out / "spans.jsonl").read_text().splitlines()) * 0 + summary["spans"]
+    reqs = pd.read_csv(out / "requests.csv")
+    assert tuple(reqs.columns) == REQUEST_COLUMNS and len(reqs) == summary["requests"]
+    printed = json.loads(capsys.readouterr().out)
+    assert printed["ttft_p50_ms"] == pytest.approx(summary["ttft_p50_ms"])
+
+
+def test_cli_reports_bad_arguments(tmp_path, capsys):
+    from kvtune.cli import main
+    rc = main(["sim", "--prompt-tokens", "zipf:2", "--out", str(tmp_path / "x")])
+    assert rc == 2
+    assert "Dist.kind" in capsys.readouterr().err
+
+
+def test_ttft_estimate_handles_empty_selection():
+    res = simulate(tiny("push", requests=pd.DataFrame(
+        {"arrival_s": [0.0], "prompt_tokens": [10], "output_tokens": [1]})))
+    est = res.ttft(min_turn=2)
+    assert est.n_requests == 0 and math.isnan(est.p50_ms)
