@@ -29,8 +29,13 @@ Failures: an upstream that cannot be reached, times out or answers 5xx gives the
 error naming the leg and instance (headers ``X-Kvtune-Failed-Leg`` / ``X-Kvtune-Failed-Instance``);
 an upstream 4xx is passed through with the same headers. A body over ``max_body_bytes`` gets 413.
 
-TTFT (``kv.ttft_ms`` on ``kv.request``): request in -> first token available to the router, i.e. the
-first SSE event carrying text when streaming, and the prefill's answer (its one token) otherwise.
+Tracing: one ``kv.request`` span per proxied request, always a trace root (a client's own
+``traceparent`` becomes a span link), with the mode, request id (= base request id: both legs get it
+as ``X-Request-Id``), conversation id, turn, chosen prefill and decode instances, prompt and output
+tokens, TTFT, stream flag, HTTP status, the history tokens offered to the prefill
+(``kv.reuse.remote_tokens``, bidirectional) and ``error.type`` with ERROR status on failure.
+TTFT (``kv.ttft_ms``): request in -> first token available to the router, i.e. the first SSE event
+carrying text when streaming, and the prefill's answer (its one token) otherwise.
 """
 from __future__ import annotations
 
