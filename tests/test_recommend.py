@@ -135,12 +135,17 @@ def test_ttl_no_multi_turn():
 def test_mode_choices_and_exclusions():
     wl = _workload(**W3)
     fit, pc = _fit(), _prefill()
-    kw = dict(bytes_per_token=BPT, descriptors_per_token=0)
+    kw = dict(bytes_per_token=BPT, descriptors_per_token=0, use_simulator=False)
     rec, _ = recommend_mode(wl, fit, pc, threshold=50, ttl_s=44, **kw)
     ttft = rec.evidence["expected_ttft_ms"]
-    assert set(ttft) >= {"pull", "push", "bidirectional"}
-    assert rec.value == min(rec.evidence["allowed"], key=lambda m: ttft[m]["p50"])
-    assert ttft["bidirectional"]["p50"] <= ttft["pull"]["p50"]
+    assert rec.evidence["model"] == "analytic"
+    assert set(ttft) == {"pull", "push", "bidirectional"}
+    # analytic: push saves pull's control hop exactly; bidirectional skips recomputing histories
+    assert ttft["pull"]["p50"] - ttft["push"]["p50"] == pytest.approx(2.0)
+    assert ttft["bidirectional"]["p50"] < ttft["pull"]["p50"]
+    best = min(rec.evidence["allowed"], key=lambda m: ttft[m]["p50"])
+    gain = 1 - ttft[best]["p50"] / ttft["pull"]["p50"]
+    assert rec.value == (best if gain > 0.02 else "pull")
     rec, _ = recommend_mode(wl, fit, pc, threshold=NEVER, ttl_s=44, early_decode_ok=False, **kw)
     assert rec.value == "pull"
     assert set(rec.evidence["excluded"]) == {"push", "bidirectional"}
@@ -155,8 +160,16 @@ def case_spans():
     return case.spans(mode=sc.Mode.BIDIRECTIONAL, seed=7)
 
 
+def test_mode_uses_the_simulator_when_present(case_spans):
+    pytest.importorskip("kvtune.sim.estimate")
+    tu = recommend(case_spans, n_boot=20)
+    assert tu.mode.evidence["model"] == "kvtune.sim"
+    assert set(tu.mode.evidence["expected_ttft_ms"]) == {"pull", "push", "bidirectional"}
+    assert tu.mode.evidence["analytic_ttft_ms"] != tu.mode.evidence["expected_ttft_ms"]
+
+
 def test_recommend_end_to_end_on_synthetic(case_spans):
-    tu = recommend(case_spans, n_boot=50)
+    tu = recommend(case_spans, n_boot=50, use_simulator=False)
     assert isinstance(tu, Tuning)
     assert tu.span_count == len(case_spans) and tu.source == "synthetic"
     assert tu.fit is not None
@@ -175,7 +188,7 @@ def test_recommend_finds_tcp_fallback_and_stalls():
     spans = syn.serving_spans(wl, mode="pull", seed=1)
     rdma = spans.index[spans["name"] == sc.SpanName.DECODE_START.value][0]
     spans.loc[rdma, "end_ns"] = spans.loc[rdma, "start_ns"] + 3_000_000_000  # a 3 s stall
-    tu = recommend(spans, n_boot=20)
+    tu = recommend(spans, n_boot=20, use_simulator=False)
     codes = {f.code for f in tu.findings}
     assert {"tcp_fallback", "stalled_transfers"} <= codes
     stall = next(f for f in tu.findings if f.code == "stalled_transfers")

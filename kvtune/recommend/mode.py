@@ -87,35 +87,43 @@ def _simulated(workload: Workload, fit: FloorFit, prefill: PrefillCost,
                **kwargs: Any) -> dict[str, tuple[float, float]] | None:
     """``kvtune.sim.expected_ttft`` when it exists (built in parallel); None otherwise."""
     try:
-        from kvtune.sim import expected_ttft  # type: ignore[attr-defined]
-    except Exception:  # noqa: BLE001 - simulator absent or broken: use the analytic model
+        from kvtune.sim.estimate import expected_ttft
+    except ImportError:  # simulator absent: use the analytic model
         return None
     params = inspect.signature(expected_ttft).parameters
-    extra = {k: v for k, v in kwargs.items() if k in params}
+    extra = {k: v for k, v in kwargs.items() if k in params and v is not None}
     res = expected_ttft(workload, fit, prefill, **extra)
-    return {str(getattr(m, "value", m)): (float(v[0]), float(v[1])) for m, v in res.items()}
+    out: dict[str, tuple[float, float]] = {}
+    for m, v in res.items():
+        p50, p99 = ((v.p50_ms, v.p99_ms) if hasattr(v, "p50_ms") else (v[0], v[1]))
+        out[str(getattr(m, "value", m))] = (float(p50), float(p99))
+    return out
 
 
 def recommend_mode(workload: Workload, fit: FloorFit, prefill: PrefillCost, *,
                    bytes_per_token: float, descriptors_per_token: float,
                    threshold: int | str, ttl_s: float, early_decode_ok: bool = True,
-                   prefill_instances: int = 1) -> tuple[Recommendation, list[Finding]]:
-    """Compare the modes' expected TTFT and pick one (see module doc)."""
+                   prefill_instances: int = 1, use_simulator: bool = True,
+                   ) -> tuple[Recommendation, list[Finding]]:
+    """Compare the modes' expected TTFT and pick one (see module doc). ``use_simulator=False``
+    keeps to the analytic model."""
     thr = math.inf if threshold == NEVER else float(threshold)
     findings: list[Finding] = []
     kw = dict(bytes_per_token=bytes_per_token, descriptors_per_token=descriptors_per_token,
               threshold_tokens=thr, ttl_s=ttl_s, prefill_instances=prefill_instances)
     ttft, util = _analytic(workload, fit, prefill, **kw)
+    analytic = dict(ttft)
     model = "analytic"
     try:
-        sim = _simulated(workload, fit, prefill, **kw)
+        sim = None if not use_simulator else _simulated(workload, fit, prefill, ttl_s=ttl_s if ttl_s > 0 else None,
+                         threshold_tokens=None if thr == math.inf else int(thr))
     except Exception as exc:  # noqa: BLE001 - a simulator failure must not stop the advice
         logger.warning("kvtune.sim.expected_ttft failed; using the analytic model", exc_info=True)
         findings.append(Finding("simulator_failed", "info",
                                 f"the simulator failed ({type(exc).__name__}: {exc}); expected "
                                 f"TTFT per mode comes from the analytic model", {}))
         sim = None
-    if sim:
+    if sim and all(math.isfinite(v[0]) for v in sim.values()):
         ttft, model = {**ttft, **sim}, "kvtune.sim"
     allowed = [sc.Mode.PULL.value]
     excluded: dict[str, str] = {}
@@ -144,15 +152,24 @@ def recommend_mode(workload: Workload, fit: FloorFit, prefill: PrefillCost, *,
     evidence = {
         "model": model,
         "expected_ttft_ms": {m: {"p50": v[0], "p99": v[1]} for m, v in ttft.items()},
+        "analytic_ttft_ms": {m: {"p50": v[0], "p99": v[1]} for m, v in analytic.items()},
         "allowed": allowed, "excluded": excluded, "multi_turn_share": workload.multi_turn_share,
         "prompt_tokens_p50": workload.prompt_tokens_p50, "qps": workload.qps,
         "early_decode_ok": early_decode_ok, **util,
     }
-    assumptions = (
-        f"expected TTFT from the {model} model on the traced requests",
-        f"pull pays one more control hop ({PULL_HOP_MS:g} ms) than push; push binds the decode "
-        f"before the prefill and loses load-aware decode choice (not modelled)",
-        f"prefill queueing M/D/1 over {prefill_instances} prefill instance(s) at the traced rate",
-        f"another mode must beat pull's p50 by more than {MIN_GAIN_SHARE:.0%}",
-    )
+    if model == "analytic":
+        assumptions: tuple[str, ...] = (
+            "expected TTFT from the analytic model on the traced requests",
+            f"pull pays one more control hop ({PULL_HOP_MS:g} ms) than push; push binds the decode "
+            f"before the prefill and loses load-aware decode choice (not modelled)",
+            f"prefill queueing M/D/1 over {prefill_instances} prefill instance(s) at the traced "
+            f"rate",
+        )
+    else:
+        assumptions = (
+            "expected TTFT from kvtune.sim.expected_ttft: the traced workload summary replayed "
+            "through each mode on the simulator calibrated with the floor and prefill fits "
+            "(what the fits leave open comes from the simulator's preset)",
+        )
+    assumptions += (f"another mode must beat pull's p50 by more than {MIN_GAIN_SHARE:.0%}",)
     return Recommendation(NAME, best, (best, runner_up), "mode", evidence, assumptions), findings

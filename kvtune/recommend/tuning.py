@@ -57,11 +57,13 @@ def bytes_per_token_of(transfers: pd.DataFrame, geometry: Any = None) -> tuple[f
 def recommend(spans: pd.DataFrame, *, geometry: Any = None,
               hbm_budget_gb: float = DEFAULT_HBM_BUDGET_GB, early_decode_ok: bool = True,
               fabric: str | None = None, prefill_instances: int = 1, n_boot: int = 200,
-              seed: int = 0, max_context_tokens: int | None = None) -> Tuning:
+              seed: int = 0, max_context_tokens: int | None = None,
+              use_simulator: bool = True) -> Tuning:
     """Recommend ``kv_recompute_threshold``, ``decoder_kv_blocks_ttl`` and the mode from a spans
     frame (``kvtune.traces.load``). The floor fit uses the transfers on ``fabric`` (needed when the
     trace holds several). Raises :class:`AnalysisError` when the spans cannot support the advice
-    (no transfers, too few sizes, no prefill or request spans)."""
+    (no transfers, too few sizes, no prefill or request spans). Expected TTFT per mode comes from
+    ``kvtune.sim`` unless ``use_simulator=False`` (analytic model)."""
     if not (isinstance(hbm_budget_gb, (int, float)) and math.isfinite(hbm_budget_gb)
             and hbm_budget_gb >= 0):
         raise ConfigError(f"recommend: hbm_budget_gb: expected a number of GB >= 0, "
@@ -94,7 +96,8 @@ def recommend(spans: pd.DataFrame, *, geometry: Any = None,
     findings += f
     mode, f = recommend_mode(wl, fit, pc, bytes_per_token=bpt, descriptors_per_token=dpt,
                              threshold=thr.value, ttl_s=float(ttl.value),
-                             early_decode_ok=early_decode_ok, prefill_instances=prefill_instances)
+                             early_decode_ok=early_decode_ok, prefill_instances=prefill_instances,
+                             use_simulator=use_simulator)
     findings += f
     findings += readiness(tr, spans, fit=fit, workload=wl, fabric=fabric)
     extra = {
