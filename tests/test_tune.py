@@ -162,3 +162,16 @@ def test_report_renders_every_plotly_graph_in_headless_chromium(tuned, tmp_path)
     keep = ROOT / "out" / "report-screenshot.png"
     keep.parent.mkdir(exist_ok=True)
     shutil.copy(shot, keep)
+
+
+@pytest.mark.nixl
+def test_default_source_without_vllm_is_probe_plus_sim_and_says_so(tmp_path):
+    """No --traces and no vLLM: real probe spans plus the simulator, and the report says which."""
+    result = run_tune(None, tmp_path / "out", default_source={"use_vllm": False},
+                      notebooks=["fabric_floor", "tune"], progress=False)
+    assert result.source_kind == "probe+sim"
+    rec = json.loads(result.recommendation_json.read_text())
+    assert rec["trace_source_kind"] == "probe+sim"
+    assert (tmp_path / "out" / "spans" / "probe").is_dir()
+    assert list((tmp_path / "out" / "spans" / "sim").glob("*.jsonl"))
+    assert "probe+sim" in result.report_html.read_text()
