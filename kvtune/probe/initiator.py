@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import socket
 import time
 from dataclasses import dataclass, field
@@ -36,6 +37,10 @@ HANDSHAKE_TIMEOUT_S = 60.0
 CONTROL_TIMEOUT_S = 60.0
 """Side-channel requests (fill, digest, stats) that may touch the whole buffer."""
 PING_TIMEOUT_S = 5.0
+SPIN_NS = 50_000
+"""Poll completion without yielding the CPU for this long after posting, then yield between polls:
+on a loaded host a spinning initiator otherwise starves the target's progress thread, which TCP and
+shared-memory transports need (RDMA does not) and a whole scheduler slice is added to the latency."""
 
 
 @dataclass
@@ -189,18 +194,24 @@ class InitiatorSession:
                             "l": point.layout.value}, separators=(",", ":"))
         notif_head = (notif[:-1] + ',"s":').encode()  # the post time is appended at post
         agent = self.agent
-        setup_start = time.time_ns()
-        handle = agent.make_prepped_xfer(op, point.local_dlist, point.local_idx,
-                                         point.remote_dlist, point.remote_idx)
-        post = time.time_ns()
-        state = agent.transfer(handle, notif_head + str(post).encode() + b"}")
-        deadline = post + int(self.xfer_timeout_s * 1e9)
-        now = post
-        while state == "PROC":
-            state = agent.check_xfer_state(handle)
-            now = time.time_ns()
-            if now > deadline:
-                break
+        handle = None
+        setup_start = post = time.time_ns()
+        try:
+            handle = agent.make_prepped_xfer(op, point.local_dlist, point.local_idx,
+                                             point.remote_dlist, point.remote_idx)
+            post = time.time_ns()
+            state = agent.transfer(handle, notif_head + str(post).encode() + b"}")
+            deadline = post + int(self.xfer_timeout_s * 1e9)
+            spin_until = post + SPIN_NS
+            while state == "PROC":
+                state = agent.check_xfer_state(handle)
+                now = time.time_ns()
+                if now > spin_until:
+                    if now > deadline:
+                        break
+                    os.sched_yield()  # let the target (and UCX's threads) run on a busy host
+        except Exception as exc:  # NIXL raises e.g. nixlRemoteDisconnectError
+            state = f"ERR ({type(exc).__name__})"
         done = time.time_ns()
         self.transfers_posted += 1
         post_us = xfer_us = ndesc = None
@@ -217,11 +228,17 @@ class InitiatorSession:
         if state != "DONE":
             tracing.emit_transfers(self.tracer, self.info, [record])
             self._fail(record, handle)
-        try:
+        self._release_handle(handle)
+        return record
+
+    @staticmethod
+    def _release_handle(handle) -> None:
+        if handle is None:
+            return
+        try:  # a handle still in flight cannot always be released; NIXL keeps it then
             handle.release()
         except Exception:
             logger.debug("xfer handle release failed", exc_info=True)
-        return record
 
     def _fail(self, record: tracing.TransferRecord, handle) -> None:
         what = (f"transfer {record.transfer_id} ({record.op}, {record.tokens} tokens, "
@@ -233,10 +250,7 @@ class InitiatorSession:
         alive = self.target_alive()
         side = (f"the target at {self.ch.peer} is not responding (side: target)" if not alive
                 else f"the target at {self.ch.peer} still answers; the fabric failed (side: initiator)")
-        try:  # a handle still in flight cannot always be released; leave it to NIXL then
-            handle.release()
-        except Exception:
-            pass
+        self._release_handle(handle)
         raise ProbeError(f"initiator: {what}: {cause}; {side}")
 
     def target_alive(self) -> bool:

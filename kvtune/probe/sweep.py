@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import logging
 import os
+import random
 import time
 import uuid
 from collections.abc import Sequence
@@ -143,6 +144,7 @@ def run_probe(config: ProbeConfig, *, tracer=None) -> ProbeSummary:
         host, port = parse_hostport(cfg.peer)
     peer = f"{host}:{port}"
     run_id = uuid.uuid4().hex[:8]
+    rng = random.Random(cfg.seed)
     records: list[tracing.TransferRecord] = []
     points: list[PointStats] = []
     verified = 0
@@ -159,25 +161,14 @@ def run_probe(config: ProbeConfig, *, tracer=None) -> ProbeSummary:
             try:
                 for op in cfg.ops:
                     for layout in cfg.layouts:
+                        block = _sweep_block(session, cfg, op, layout, run_id, rng, bar)
+                        verified += block.verified
+                        tracing.emit_transfers(tracer, session.info, block.records)
+                        measured = [r for r in block.records if not r.warmup]
+                        records.extend(measured)
                         for tokens in cfg.tokens:
-                            point = session.prepare(tokens, layout)
-                            try:
-                                batch = []
-                                if cfg.verify and tokens in (cfg.tokens[0], cfg.tokens[-1]):
-                                    batch.append(session.verify(op, point, seed=cfg.seed + tokens,
-                                                                run_id=run_id))
-                                    verified += 1
-                                for i in range(cfg.warmup + cfg.iters):
-                                    warm = i < cfg.warmup
-                                    batch.append(session.transfer(op, point, iteration=i if warm else i - cfg.warmup,
-                                                                  warmup=warm, run_id=run_id))
-                                tracing.emit_transfers(tracer, session.info, batch)
-                                bar.update(cfg.warmup + cfg.iters)
-                                measured = [r for r in batch if not r.warmup]
-                                records.extend(measured)
-                                points.append(PointStats.from_records(measured))
-                            finally:
-                                session.release(point)
+                            points.append(PointStats.from_records(
+                                [r for r in measured if r.tokens == tokens]))
             finally:
                 bar.close()
             expected = session.transfers_posted
@@ -206,6 +197,38 @@ def run_probe(config: ProbeConfig, *, tracer=None) -> ProbeSummary:
         ucx_tls=os.environ.get("UCX_TLS", ""), n_transfers=expected,
         notifications_received=received, verified_transfers=verified,
         duration_s=time.monotonic() - started, warnings=tuple(warnings))
+
+
+@dataclass
+class _Block:
+    records: list[tracing.TransferRecord]
+    verified: int
+
+
+def _sweep_block(session: InitiatorSession, cfg: ProbeConfig, op: str, layout: str, run_id: str,
+                 rng: random.Random, bar) -> _Block:
+    """All sizes of one (op, layout), interleaved: each round does every size once, in a shuffled
+    order, so a burst of noise on a shared host spreads over all sizes instead of sinking one."""
+    prepared = [session.prepare(t, layout) for t in cfg.tokens]
+    records: list[tracing.TransferRecord] = []
+    verified = 0
+    try:
+        if cfg.verify:
+            for point in {id(p): p for p in (prepared[0], prepared[-1])}.values():
+                records.append(session.verify(op, point, seed=cfg.seed + point.tokens, run_id=run_id))
+                verified += 1
+        for i in range(cfg.warmup + cfg.iters):
+            warm = i < cfg.warmup
+            order = list(prepared)
+            rng.shuffle(order)
+            for point in order:
+                records.append(session.transfer(op, point, iteration=i if warm else i - cfg.warmup,
+                                                warmup=warm, run_id=run_id))
+            bar.update(len(order))
+    finally:
+        for point in prepared:
+            session.release(point)
+    return _Block(records, verified)
 
 
 def _fit(op: str, records: Sequence[tracing.TransferRecord], cfg: ProbeConfig) -> OpFit:
