@@ -222,14 +222,7 @@ def worker_factory(exporter: InMemorySpanExporter) -> Callable[..., Any]:
         w._lease_extension = 30
         w.engine_id = f"engine-{role.value}"
         w._remote_agents = {}
-        # kvtune's state (what _kvt_setup sets from the vLLM config).
-        w._kvt_role = role
-        w._kvt = _emitter(exporter, role, mode)
-        w._kvt_xfers = TransferTracker(w._kvt)
-        w._kvt_reqs = BoundedDict()
-        w._kvt_retained = {}
-        w._kvt_hs_trigger = {}
-        w._kvt_cur_req = None
+        w._kvt_init(_emitter(exporter, role, mode))  # what _kvt_setup does from the config
         return w
 
     return make
@@ -291,7 +284,6 @@ def test_retained_blocks_expire_then_emit_retention(
     assert done == {kept} and kept not in w._reqs_to_send
 
     w._kvt_on_notified({reused})                 # the prefill read the other one back
-    w.__class__.__mro__[1]._kvt_on_shutdown      # (exists on the mixin)
     got = _by_name(exporter)
     ret = {s.attributes[spans.RETENTION_OUTCOME]: s for s in got[spans.SpanName.RETENTION.value]}
     assert set(ret) == {spans.RetentionOutcome.EXPIRED.value, spans.RetentionOutcome.REUSED.value}

@@ -76,12 +76,17 @@ class _SchedulerHooks:
 
     def _kvt_setup(self) -> None:
         cfg = self.vllm_config.kv_transfer_config
-        self._kvt_role = role_of(cfg.kv_role)
+        role = role_of(cfg.kv_role)
         mode = self._KVT_MODE
         if getattr(self, "is_bidirectional_kv_xfer_enabled", False):
             mode = spans.Mode.BIDIRECTIONAL
-        self._kvt_mode = mode
-        self._kvt = Emitter(self._kvt_role, mode, str(self.engine_id))
+        self._kvt_init(Emitter(role, mode, str(self.engine_id)))
+
+    def _kvt_init(self, emitter: Emitter) -> None:
+        """kvtune's state; ``emitter`` fixes the role and mode."""
+        self._kvt = emitter
+        self._kvt_role = emitter.role
+        self._kvt_mode = emitter.mode
         self._kvt_reqs: dict[str, _ReqState] = {}
         self._kvt_outbox: dict[str, ReqTrace] = {}
         self._kvt_kv_ready: dict[str, int] = {}

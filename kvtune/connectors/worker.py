@@ -50,13 +50,18 @@ class _WorkerHooks:
 
     def _kvt_setup(self) -> None:
         cfg = self.vllm_config.kv_transfer_config
-        self._kvt_role = role_of(cfg.kv_role)
         bidir = bool(cfg.get_from_extra_config("bidirectional_kv_xfer", False))
         mode = spans.Mode.BIDIRECTIONAL if bidir else self._KVT_MODE
-        self._kvt = Emitter(self._kvt_role, mode, str(self.engine_id),
-                            tp_rank=getattr(self, "tp_rank", None))
+        emitter = Emitter(role_of(cfg.kv_role), mode, str(self.engine_id),
+                          tp_rank=getattr(self, "tp_rank", None))
         backends = getattr(self, "nixl_backends", None) or ["UCX"]
-        self._kvt.common[spans.NIXL_BACKEND] = str(backends[0])
+        emitter.common[spans.NIXL_BACKEND] = str(backends[0])
+        self._kvt_init(emitter)
+
+    def _kvt_init(self, emitter: Emitter) -> None:
+        """kvtune's state; ``emitter`` fixes the role and mode. Wraps the NIXL agent."""
+        self._kvt = emitter
+        self._kvt_role = emitter.role
         self._kvt_xfers = TransferTracker(self._kvt)
         self._kvt_reqs: BoundedDict = BoundedDict()
         self._kvt_retained: dict[str, ReqTrace] = {}
@@ -260,10 +265,10 @@ class KvtunePushWorker(_WorkerHooks, NixlPushConnectorWorker):
 
     def __init__(self, vllm_config: Any, engine_id: str, kv_cache_config: Any) -> None:
         super().__init__(vllm_config, engine_id, kv_cache_config)
-        GUARD.run("worker.setup", self._kvt_push_setup)
+        GUARD.run("worker.setup", self._kvt_setup)
 
-    def _kvt_push_setup(self) -> None:
-        self._kvt_setup()
+    def _kvt_init(self, emitter: Emitter) -> None:
+        super()._kvt_init(emitter)
         self._kvt_reg_arrival: BoundedDict = BoundedDict()
         self._kvt_rendezvous_done: BoundedDict = BoundedDict()
 

@@ -1,0 +1,238 @@
+"""The scheduler side of kvtune's connectors, driven in-process: vLLM's real ``VllmConfig``,
+``KVCacheConfig``, ``Request`` and scheduler classes (no model, no engine), spans read from an
+in-memory exporter. Covers what the CPU pair rarely reaches: the reuse decisions other than a pull
+(recompute under the threshold, local hit, first turn), retention start, decode start, the prefill
+span's token counts, and the compat fallbacks of the connector facades.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import pytest
+
+from kvtune import spans
+from kvtune.connectors.ids import derived_span_context, parse_traceparent
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("vllm")
+from opentelemetry.sdk.trace import TracerProvider  # noqa: E402
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor  # noqa: E402
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import (  # noqa: E402
+    InMemorySpanExporter,
+)
+from vllm import SamplingParams  # noqa: E402
+from vllm.config import KVTransferConfig, VllmConfig  # noqa: E402
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_scheduler import (  # noqa: E402
+    NixlPullConnectorScheduler,
+)
+from vllm.v1.core.kv_cache_manager import KVCacheBlocks  # noqa: E402
+from vllm.v1.core.kv_cache_utils import KVCacheBlock  # noqa: E402
+from vllm.v1.core.sched.output import SchedulerOutput  # noqa: E402
+from vllm.v1.kv_cache_interface import (  # noqa: E402
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+)
+from vllm.v1.outputs import KVConnectorOutput  # noqa: E402
+from vllm.v1.request import Request, RequestStatus  # noqa: E402
+
+from kvtune.connectors import compat  # noqa: E402
+from kvtune.connectors.connector import (  # noqa: E402
+    KvtuneNixlPullConnector,
+    KvtuneNixlPushConnector,
+)
+from kvtune.connectors.observer import Emitter  # noqa: E402
+from kvtune.connectors.scheduler import KvtunePullScheduler, KvtunePushScheduler  # noqa: E402
+from kvtune.errors import ConnectorError  # noqa: E402
+
+BLOCK = 128
+THRESHOLD = 64
+TTL_S = 90
+
+
+def _config(kv_role: str, connector: str = "KvtuneNixlPullConnector", **extra: Any) -> VllmConfig:
+    return VllmConfig(kv_transfer_config=KVTransferConfig(
+        kv_connector=connector, kv_connector_module_path="kvtune.connectors", kv_role=kv_role,
+        engine_id=f"eng-{kv_role}", kv_connector_extra_config=extra))
+
+
+def _kv_cache_config() -> KVCacheConfig:
+    spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=2, head_size=64, dtype=torch.bfloat16)
+    return KVCacheConfig(num_blocks=64, kv_cache_tensors=[],
+                         kv_cache_groups=[KVCacheGroupSpec(layer_names=["l0"], kv_cache_spec=spec)])
+
+
+def _request(rid: str, n_tokens: int, params: dict[str, Any] | None) -> Request:
+    extra = {"kv_transfer_params": params} if params is not None else None
+    return Request(rid, list(range(1, n_tokens + 1)), SamplingParams(max_tokens=1, extra_args=extra),
+                   None)
+
+
+def _blocks(*ids: int) -> KVCacheBlocks:
+    return KVCacheBlocks(blocks=([KVCacheBlock(block_id=i) for i in ids],))
+
+
+@pytest.fixture()
+def exporter() -> InMemorySpanExporter:
+    return InMemorySpanExporter()
+
+
+def _scheduler(exporter: InMemorySpanExporter, kv_role: str, **extra: Any) -> Any:
+    conn = KvtuneNixlPullConnector(_config(kv_role, **extra), KVConnectorRole.SCHEDULER,
+                                   _kv_cache_config())
+    sched = conn.connector_scheduler
+    assert isinstance(sched, KvtunePullScheduler)
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    sched._kvt_init(Emitter(sched._kvt.role, sched._kvt.mode, "eng-test",
+                            tracer=provider.get_tracer("test")))
+    return conn
+
+
+def _only(exporter: InMemorySpanExporter, name: spans.SpanName) -> Any:
+    found = [s for s in exporter.get_finished_spans() if s.name == name.value]
+    assert len(found) == 1, [s.name for s in exporter.get_finished_spans()]
+    return found[0]
+
+
+def _history(remote_tokens: int) -> dict[str, Any]:
+    """What a decode returns for a conversation's next turn (bidirectional)."""
+    return {"do_remote_decode": True, "remote_block_ids": ([7, 8],), "remote_engine_id": "eng-d",
+            "remote_request_id": "cmpl-turn1-0-1a2b3c4d", "remote_host": "127.0.0.1",
+            "remote_port": 5601, "remote_num_tokens": remote_tokens,
+            spans.KV_PARAMS_CONVERSATION_ID: "conv-7", spans.KV_PARAMS_TURN: 2}
+
+
+@pytest.mark.parametrize("remote_tokens, local_computed, outcome", [
+    (40, 0, spans.ReuseOutcome.RECOMPUTE),   # 40 remote tokens < threshold 64: recompute
+    (100, 128, spans.ReuseOutcome.LOCAL_HIT),  # the prefill's prefix cache already covers them
+])
+def test_reuse_decisions_made_on_the_prefill(exporter: InMemorySpanExporter, remote_tokens: int,
+                                             local_computed: int,
+                                             outcome: spans.ReuseOutcome) -> None:
+    conn = _scheduler(exporter, "kv_producer", bidirectional_kv_xfer=True,
+                      kv_recompute_threshold=THRESHOLD)
+    req = _request("cmpl-turn2-0-99999999", 300, _history(remote_tokens))
+    assert conn.get_num_new_matched_tokens(req, local_computed) == (0, False)  # vLLM's answer
+    span = _only(exporter, spans.SpanName.REUSE_DECISION)
+    a = span.attributes
+    assert a[spans.REUSE_OUTCOME] == outcome.value
+    assert a[spans.REUSE_REMOTE_TOKENS] == remote_tokens
+    assert a[spans.REUSE_THRESHOLD_TOKENS] == THRESHOLD
+    assert a[spans.TRANSFER_ID] == spans.transfer_id("turn1", spans.Direction.REVERSE)
+    assert a[spans.CONVERSATION_ID] == "conv-7" and a[spans.TURN] == 2
+    assert a[spans.MODE] == spans.Mode.BIDIRECTIONAL.value
+    # The decision joins the retained request's trace (derived: no traceparent was given).
+    assert span.context.trace_id == derived_span_context("turn1").trace_id
+
+
+def test_first_turn_and_pull_decisions(exporter: InMemorySpanExporter) -> None:
+    conn = _scheduler(exporter, "kv_producer", bidirectional_kv_xfer=True,
+                      kv_recompute_threshold=THRESHOLD)
+    first = _request("cmpl-new-0-11111111", 50, {"do_remote_decode": True})
+    assert conn.get_num_new_matched_tokens(first, 0) == (0, False)
+    assert _only(exporter, spans.SpanName.REUSE_DECISION).attributes[spans.REUSE_OUTCOME] == \
+        spans.ReuseOutcome.NONE.value
+    exporter.clear()
+    retained_tp = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+    params = {**_history(200), spans.KV_PARAMS_RETAINED_TRACEPARENT: retained_tp}
+    pull = _request("cmpl-turn2-0-22222222", 300, params)
+    assert conn.get_num_new_matched_tokens(pull, 0) == (200, True)
+    conn.update_state_after_alloc(pull, _blocks(3, 4), 200)
+    assert exporter.get_finished_spans() == ()  # a pull is confirmed by the worker
+    meta = conn.build_connector_meta(SchedulerOutput.make_empty())
+    info = meta.kvtune_reqs[pull.request_id]
+    assert "cmpl-turn2-0-22222222" in meta.reqs_to_recv  # vLLM's own metadata, unchanged
+    assert info.remote_base_id == "turn1" and info.tokens == 200
+    assert info.remote_traceparent == retained_tp and info.threshold_tokens == THRESHOLD
+    assert info.mark_ns is not None and info.conversation_id == "conv-7"
+
+
+def test_prefill_span_counts_tokens_and_uses_the_request_trace(
+        exporter: InMemorySpanExporter) -> None:
+    conn = _scheduler(exporter, "kv_producer")
+    tp = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+    req = _request("cmpl-p1-0-33333333", 200, {"do_remote_decode": True,
+                                               spans.KV_PARAMS_TRACEPARENT: tp})
+    conn.get_num_new_matched_tokens(req, 128)  # 128 tokens from the local prefix cache
+    conn.update_state_after_alloc(req, _blocks(5), 0)
+    req.status = RequestStatus.FINISHED_LENGTH_CAPPED
+    delay, out = conn.request_finished(req, [5, 6])
+    assert delay and out["remote_request_id"] == req.request_id  # vLLM's own answer
+    assert spans.KV_PARAMS_RETAINED_TRACEPARENT not in out  # nothing added on the prefill
+    span = _only(exporter, spans.SpanName.PREFILL)
+    a = span.attributes
+    assert (a[spans.PROMPT_TOKENS], a[spans.CACHED_TOKENS], a[spans.COMPUTED_TOKENS]) == \
+        (200, 128, 72)
+    assert a[spans.TRANSFER_ID] == spans.transfer_id("p1", spans.Direction.FORWARD)
+    assert a[spans.ROLE] == spans.Role.PREFILL.value
+    assert f"{span.context.trace_id:032x}" == "4bf92f3577b34da6a3ce929d0e0e4736"
+
+
+def test_aborted_prefill_is_an_error_span(exporter: InMemorySpanExporter) -> None:
+    conn = _scheduler(exporter, "kv_producer")
+    req = _request("cmpl-ab-0-44444444", 10, {"do_remote_decode": True})
+    conn.get_num_new_matched_tokens(req, 0)
+    conn.update_state_after_alloc(req, _blocks(1), 0)
+    req.status = RequestStatus.FINISHED_ABORTED
+    assert conn.request_finished(req, [1]) == (False, None)
+    assert not _only(exporter, spans.SpanName.PREFILL).status.is_ok
+
+
+def test_decode_retains_blocks_and_starts_decoding(exporter: InMemorySpanExporter) -> None:
+    conn = _scheduler(exporter, "kv_consumer", bidirectional_kv_xfer=True,
+                      decoder_kv_blocks_ttl=TTL_S)
+    params = {"do_remote_prefill": True, "remote_block_ids": ([9],), "remote_engine_id": "eng-p",
+              "remote_request_id": "cmpl-d1-0-55555555", "remote_host": "127.0.0.1",
+              "remote_port": 5600, "remote_num_tokens": 100, spans.KV_PARAMS_CONVERSATION_ID: "c9"}
+    req = _request("cmpl-d1-0-66666666", 100, params)
+    assert conn.get_num_new_matched_tokens(req, 0) == (100, True)
+    conn.update_state_after_alloc(req, _blocks(2), 100)
+    conn.build_connector_meta(SchedulerOutput.make_empty())
+    conn.update_connector_output(KVConnectorOutput(finished_recving={req.request_id}))
+    out = SchedulerOutput.make_empty()
+    out.num_scheduled_tokens = {req.request_id: 1}
+    conn.build_connector_meta(out)  # first decode step scheduled
+    start = _only(exporter, spans.SpanName.DECODE_START)
+    assert start.attributes[spans.TRANSFER_ID] == spans.transfer_id("d1", spans.Direction.FORWARD)
+    assert start.attributes[spans.TOKENS] == 100 and start.start_time <= start.end_time
+
+    req.status = RequestStatus.FINISHED_LENGTH_CAPPED
+    delay, ret = conn.request_finished(req, [2, 3])
+    assert delay and ret["do_remote_decode"] is True  # vLLM retains for the next turn
+    assert parse_traceparent(ret[spans.KV_PARAMS_RETAINED_TRACEPARENT]).trace_id == \
+        derived_span_context("d1").trace_id
+    assert ret[spans.KV_PARAMS_CONVERSATION_ID] == "c9"
+    info = conn.build_connector_meta(SchedulerOutput.make_empty()).kvtune_reqs[req.request_id]
+    assert info.ttl_s == TTL_S and info.base_id == "d1" and info.mark_ns is not None
+
+
+# --- facades and compat -----------------------------------------------------------------------
+@pytest.fixture()
+def mismatch(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(compat, "_CACHED", {})
+    monkeypatch.setattr(compat, "find_missing", lambda *a, **k: ("NixlPullConnectorWorker._x",))
+
+
+def test_mismatch_runs_exactly_vllms_classes_with_a_warning(
+        mismatch: None, caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING, logger="kvtune.connectors"):
+        conn = KvtuneNixlPullConnector(_config("kv_producer"), KVConnectorRole.SCHEDULER,
+                                       _kv_cache_config())
+    assert type(conn.connector_scheduler) is NixlPullConnectorScheduler
+    assert "UNINSTRUMENTED" in caplog.text and "NixlPullConnectorWorker._x" in caplog.text
+
+
+def test_mismatch_in_strict_mode_refuses(mismatch: None) -> None:
+    with pytest.raises(ConnectorError, match="NixlPullConnectorWorker._x"):
+        KvtuneNixlPullConnector(_config("kv_producer", kvtune_strict=True),
+                                KVConnectorRole.SCHEDULER, _kv_cache_config())
+
+
+def test_push_facade_builds_kvtune_scheduler() -> None:
+    conn = KvtuneNixlPushConnector(_config("kv_consumer", "KvtuneNixlPushConnector"),
+                                   KVConnectorRole.SCHEDULER, _kv_cache_config())
+    assert isinstance(conn.connector_scheduler, KvtunePushScheduler)
+    assert conn.connector_scheduler._kvt.mode is spans.Mode.PUSH
