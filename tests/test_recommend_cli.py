@@ -27,7 +27,7 @@ def test_analyze_prints_fit_per_fabric(trace, tmp_path, capsys):
     rc = main(["analyze", str(trace), "--transfers-csv", str(csv), "--n-boot", "20"], MODULES)
     out = capsys.readouterr().out
     assert rc == 0
-    assert "fit [ucx-tcp-loopback]: floor" in out and "fit [efa]: floor" in out
+    assert "fit [ucx-tcp-loopback READ]: floor" in out and "fit [efa READ]: floor" in out
     assert "prefill (kv.prefill" in out and "workload (kv.request)" in out
     header = csv.read_text().splitlines()[0].split(",")
     from kvtune.analysis import TRANSFER_COLUMNS

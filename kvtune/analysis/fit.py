@@ -238,10 +238,13 @@ def fit_floor_points(bytes: Sequence[float] | np.ndarray,  # noqa: A002 - unit n
             f"fit_floor_points: {column} does not grow with bytes (slope {ms_per_byte:.3g} ms/B over "
             f"{len(np.unique(b))} sizes from {int(b.min())} to {int(b.max())} B): the sizes are too "
             f"close together for this noise; add transfers at sizes >= 16x {int(b.max())} B")
+    # R^2 in the fit's own metric: relative residuals with the robust weights (>= 0 for WLS).
     fitted = x @ beta
-    ybar = float(np.sum(w * y) / np.sum(w))  # R^2 with the Huber weights, in absolute ms
-    ss_tot = float(np.sum(w * (y - ybar) ** 2))
-    r2 = 1.0 - float(np.sum(w * (y - fitted) ** 2)) / ss_tot if ss_tot > 0 else 0.0
+    wr = w / np.maximum(fitted, RELATIVE_FLOOR_SHARE * max(float(np.min(y[y > 0]))
+                                                           if np.any(y > 0) else 1.0, 1e-9)) ** 2
+    ybar = float(np.sum(wr * y) / np.sum(wr)) if np.sum(wr) > 0 else float(np.mean(y))
+    ss_tot = float(np.sum(wr * (y - ybar) ** 2))
+    r2 = 1.0 - float(np.sum(wr * (y - fitted) ** 2)) / ss_tot if ss_tot > 0 else 0.0
 
     rng = np.random.default_rng(seed)
     keys = np.column_stack([b, d])
@@ -278,15 +281,17 @@ def fit_floor_points(bytes: Sequence[float] | np.ndarray,  # noqa: A002 - unit n
 
 
 def fit_floor(transfers: pd.DataFrame, *, column: str = "critical_ms", n_boot: int = 200,
-              seed: int = 0, fabric: str | None = None, source: str = "") -> FloorFit:
+              seed: int = 0, fabric: str | None = None, op: str | None = None,
+              source: str = "") -> FloorFit:
     """Fit the floor and bandwidth from a transfers table (``kvtune.analysis.transfers``).
 
     Uses rows with ``column`` and ``bytes`` present and a status other than ERROR. Descriptors
     enter the model only when every used row has them. A table mixing fabrics needs ``fabric`` to
-    pick one (the floors of two fabrics are not one number).
+    pick one, and one mixing NIXL operations ``op`` (``READ``/``WRITE``): the floors of two fabrics
+    or two operations are not one number.
     """
 
-    for c in (column, "bytes", "descriptors", "status", "fabric"):
+    for c in (column, "bytes", "descriptors", "status", "fabric", "op"):
         if c not in transfers.columns:
             raise AnalysisError(f"fit_floor: transfers table has no column {c!r}; expected "
                                 f"kvtune.analysis.TRANSFER_COLUMNS")
@@ -299,6 +304,14 @@ def fit_floor(transfers: pd.DataFrame, *, column: str = "critical_ms", n_boot: i
     elif len(fabrics) > 1:
         raise AnalysisError(f"fit_floor: transfers on {len(fabrics)} fabrics {fabrics}; pass "
                             f"fabric=... to fit one (each has its own floor)")
+    ops = sorted(set(t["op"].dropna().astype(str)))
+    if op is not None:
+        t = t[(t["op"] == op).fillna(False).to_numpy(dtype=bool)]
+        if t.empty:
+            raise AnalysisError(f"fit_floor: no transfers with op {op!r}; ops: {ops}")
+    elif len(ops) > 1:
+        raise AnalysisError(f"fit_floor: transfers mix NIXL operations {ops}; pass op=... to fit "
+                            f"one (READ and WRITE have their own floor)")
     ok = t[column].notna() & t["bytes"].notna() & (t["status"].astype("object") != "ERROR")
     t = t[ok.to_numpy(dtype=bool)]
     if t.empty:

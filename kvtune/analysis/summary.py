@@ -21,7 +21,7 @@ class AnalysisSummary:
     span_count: int
     transfers: pd.DataFrame
     fits: dict[str, FloorFit | str]
-    """Per fabric: the floor fit, or why it failed."""
+    """Per fabric and NIXL operation (``"fabric READ"``): the floor fit, or why it failed."""
     prefill: PrefillCost | str
     workload: Workload | str
 
@@ -29,7 +29,8 @@ class AnalysisSummary:
         t = self.transfers
         lines = [f"source: {self.source}  spans: {self.span_count}  transfers: {len(t)}"]
         if len(t):
-            by = t.groupby([t["mode"].astype(str), t["direction"].astype(str)]).size()
+            by = t.groupby([t["mode"].astype(object).fillna("-"),
+                            t["direction"].astype(object).fillna("-")]).size()
             lines.append("transfers by mode/direction: " + ", ".join(
                 f"{m}/{d} {n}" for (m, d), n in by.items()))
             phase = t[["registration_ms", "rendezvous_ms", "descriptor_setup_ms", "rdma_ms",
@@ -75,9 +76,13 @@ def summarize(spans: pd.DataFrame, *, n_boot: int = 200, seed: int = 0) -> Analy
     """Transfers table, a floor fit per fabric, prefill cost and workload of ``spans``. Raises
     :class:`AnalysisError` only when the spans hold no transfer at all."""
     t = transfers_table(spans)
-    fabrics = sorted(set(t["fabric"].dropna().astype(str))) or [None]
-    fits = {str(f): _try(fit_floor, t if f is None else t[(t["fabric"] == f).fillna(False)],
-                         n_boot=n_boot, seed=seed) for f in fabrics}
+    keys = t[["fabric", "op"]].astype(object).fillna("-").drop_duplicates()
+    fits: dict[str, FloorFit | str] = {}
+    for fabric, op in sorted(keys.itertuples(index=False, name=None)):
+        sel = ((t["fabric"].astype(object).fillna("-") == fabric)
+               & (t["op"].astype(object).fillna("-") == op))
+        fits[f"{fabric} {op}"] = _try(fit_floor, t[sel.to_numpy(dtype=bool)], n_boot=n_boot,
+                                      seed=seed)
     src = spans.attrs.get("sources") or ["<DataFrame>"]
     return AnalysisSummary(source=", ".join(map(str, src)), span_count=len(spans), transfers=t,
                            fits=fits, prefill=_try(prefill_cost, spans),

@@ -80,7 +80,16 @@ def recommend(spans: pd.DataFrame, *, geometry: Any = None,
                                 f"the trace holds transfers on {fabrics}; the floor is fitted on "
                                 f"{fabric!r} (most serving transfers); pass fabric=... to choose",
                                 {"fabrics": fabrics, "fabric": fabric}))
-    fit: FloorFit = fit_floor(tr, n_boot=n_boot, seed=seed, fabric=fabric, source=source)
+    on_fabric = tr if fabric is None else tr[(tr["fabric"] == fabric).fillna(False).to_numpy(dtype=bool)]
+    ops = sorted(set(on_fabric["op"].dropna().astype(str)))
+    op = None
+    if len(ops) > 1:
+        op = "READ" if "READ" in ops else ops[0]
+        findings.append(Finding("op_chosen", "info",
+                                f"the transfers mix NIXL operations {ops}; the floor is fitted on "
+                                f"{op} (what pull and bidirectional reuse use)",
+                                {"ops": ops, "op": op}))
+    fit: FloorFit = fit_floor(tr, n_boot=n_boot, seed=seed, fabric=fabric, op=op, source=source)
     pc: PrefillCost = prefill_cost(spans)
     wl: Workload = workload_of(spans)
     bpt, dpt, bpt_from = bytes_per_token_of(tr, geometry)
