@@ -131,3 +131,12 @@ def test_mixed_fabrics_need_a_choice(probe_table):
     with pytest.raises(AnalysisError, match="2 fabrics"):
         fit_floor(both)
     assert fit_floor(both, fabric="efa", n_boot=0).n_transfers == len(other)
+
+
+def test_mixed_ops_need_a_choice(probe_table):
+    write = probe_table.copy()
+    write["op"] = "WRITE"
+    both = __import__("pandas").concat([probe_table, write], ignore_index=True)
+    with pytest.raises(AnalysisError, match=r"mix NIXL operations \['READ', 'WRITE'\]"):
+        fit_floor(both)
+    assert fit_floor(both, op="WRITE", n_boot=0).n_transfers == len(write)

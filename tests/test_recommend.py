@@ -119,6 +119,13 @@ def test_ttl_capped_by_memory_hand_computed():
     assert rec.evidence["retained_gb_at_ttl"] <= 2.0
 
 
+def test_ttl_zero_budget_retains_nothing():
+    rec, findings = recommend_ttl(_workload(**W3), bytes_per_token=1e6, hbm_budget_gb=0.0,
+                                  threshold_tokens=50)
+    assert rec.value == 0 and rec.evidence["captured_share"] == 0.0
+    assert [f.code for f in findings] == ["ttl_capped_by_memory"]
+
+
 def test_ttl_ignores_histories_below_threshold():
     rec, _ = recommend_ttl(_workload([10.0, 300.0], [1000, 10], [1000]), bytes_per_token=1e3,
                            hbm_budget_gb=10.0, threshold_tokens=50)
@@ -193,6 +200,21 @@ def test_recommend_finds_tcp_fallback_and_stalls():
     assert {"tcp_fallback", "stalled_transfers"} <= codes
     stall = next(f for f in tu.findings if f.code == "stalled_transfers")
     assert stall.evidence["worst_phase"] == "decode_start_ms"
+
+
+def test_geometry_sets_bytes_per_token(case_spans):
+    from kvtune.geometry import KvGeometry
+
+    g = KvGeometry(layers=64, kv_heads=8, head_dim=128, dtype_bytes=2)
+    plain = recommend(case_spans, n_boot=10, use_simulator=False)
+    with_g = recommend(case_spans, n_boot=10, use_simulator=False, geometry=g)
+    # from the transfers: bytes cover whole 16-token blocks, so within a block's worth at most
+    assert plain.extra["bytes_per_token"] == pytest.approx(syn.SyntheticWorkload().bytes_per_token,
+                                                           rel=0.005)
+    assert with_g.extra["bytes_per_token"] == g.bytes_per_token == 262144
+    assert with_g.extra["descriptors_per_token"] == pytest.approx(128 / 16)
+    # twice the bytes per token: the wire costs more per token, so break-even moves up
+    assert with_g.threshold.evidence["break_even_tokens"] > plain.threshold.evidence["break_even_tokens"]
 
 
 def test_recommend_bad_input():

@@ -128,7 +128,7 @@ def recommend_ttl(workload: Workload, *, bytes_per_token: float, hbm_budget_gb: 
                                                       workload.duration_s),
         captured_share=share, captured_share_uncapped=share_want,
         router_decoder_ttl_s=value, router_margin_s=margin, router_params_ttl_s=value - margin)
-    if value <= 0:
+    if want <= 0:
         findings.append(Finding(
             "ttl_no_reusable_turn", "info",
             f"no next turn carries >= {threshold_tokens} tokens of history: retention would never "

@@ -24,7 +24,8 @@ logger = logging.getLogger(__name__)
 DEFAULT_HBM_BUDGET_GB = 10.0
 """Decode HBM per rank set aside for retained conversations (GB, 1e9 bytes) when not given."""
 LARGE_TRANSFER_QUANTILE = 0.75
-"""Bytes per token is read from the largest quarter of transfers, where partial blocks matter least."""
+"""Bytes per token is read from the largest quarter of transfers, where partial blocks matter least
+(and mis-attributed small transfers do not reach)."""
 
 
 def _source(spans: pd.DataFrame) -> str:
@@ -33,8 +34,9 @@ def _source(spans: pd.DataFrame) -> str:
 
 
 def bytes_per_token_of(transfers: pd.DataFrame, geometry: Any = None) -> tuple[float, float, str]:
-    """(bytes per token, descriptors per token, where from): the geometry's, else the traced
-    transfers' ratio over the largest quarter (partial last blocks inflate small ones)."""
+    """(bytes per token, descriptors per token, where from): the geometry's, else the smallest
+    ``kv.bytes / kv.tokens`` over the largest quarter of transfers (a partly filled last block
+    moves whole, so every ratio over-states the truth; large, block-aligned ones the least)."""
     if geometry is not None:
         bpt = float(geometry.bytes_per_token)
         regions = getattr(geometry, "regions", None)
@@ -48,7 +50,8 @@ def bytes_per_token_of(transfers: pd.DataFrame, geometry: Any = None) -> tuple[f
             "recommend: cannot tell KV bytes per token: no transfer has both kv.tokens and kv.bytes "
             "(probe-only traces): pass geometry=KvGeometry(...) (kvtune.geometry)")
     big = t[(t["tokens"] >= t["tokens"].quantile(LARGE_TRANSFER_QUANTILE)).to_numpy(dtype=bool)]
-    bpt = float(np.median((big["bytes"] / big["tokens"]).astype(float)))
+    # bytes cover whole blocks, so each ratio is >= the true value: the smallest is the tightest
+    bpt = float(np.min((big["bytes"] / big["tokens"]).astype(float)))
     d = big[big["descriptors"].notna().to_numpy(dtype=bool)]
     dpt = float(np.median((d["descriptors"] / d["tokens"]).astype(float))) if len(d) else 0.0
     return bpt, dpt, "transfers (kv.bytes / kv.tokens)"
