@@ -30,7 +30,7 @@ TRACEPARENT = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
     ("abc", "abc"),                          # the X-Request-Id itself (push remote_request_id)
     ("cmpl-req-1-0-deadbeef", "req-1"),      # a dash inside the client's id survives
     ("cmpl-7f3a9b2c1d4e5f60-0-a1b2c3d4", "7f3a9b2c1d4e5f60"),  # vLLM's own random_uuid
-    ("0-1f2e3d4c", "0"),                     # offline LLM API id with the random suffix
+    ("warmup-4fe872f4", "warmup-4fe872f4"),  # a client id ending in 8 hex digits stays whole
 ])
 def test_base_request_id_normalises_engine_ids(request_id: str, expected: str) -> None:
     assert base_request_id(request_id) == expected
@@ -41,6 +41,9 @@ def test_prefill_and_decode_ids_give_one_transfer_id() -> None:
     decode_side = base_request_id("cmpl-x1-0-bbbbbbbb")
     assert spans.transfer_id(prefill_side, spans.Direction.FORWARD) == \
         spans.transfer_id(decode_side, spans.Direction.FORWARD) == "x1:forward"
+    # Push: the decode names the prefill's request by the client's id.
+    client_id = "warmup-pd-4fe872f4"
+    assert base_request_id(f"cmpl-{client_id}-0-0a1b2c3d") == base_request_id(client_id)
 
 
 def test_derived_context_is_the_same_everywhere_and_differs_per_request() -> None:

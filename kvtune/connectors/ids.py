@@ -23,8 +23,6 @@ from kvtune import spans
 _PREFIXED_RE: Final = re.compile(r"(?:chatcmpl|cmpl)-(?P<base>.+?)(?:-\d+)?(?:-[0-9a-f]{8})?",
                                  re.IGNORECASE)
 """``cmpl-<X>-<i>-<8 hex>`` / ``chatcmpl-<X>-<8 hex>``; index and random suffix optional."""
-_RANDOM_SUFFIX_RE: Final = re.compile(r"-[0-9a-f]{8}$", re.IGNORECASE)
-"""The engine's randomisation suffix (``input_processor.assign_request_id``)."""
 TRACEPARENT_HEADER: Final = "traceparent"
 _PROPAGATOR: Final = TraceContextTextMapPropagator()
 
@@ -32,17 +30,14 @@ _PROPAGATOR: Final = TraceContextTextMapPropagator()
 def base_request_id(request_id: str) -> str:
     """The id a request has on every engine: vLLM's prefixes and suffixes removed.
 
-    ``cmpl-abc-0-1f2e3d4c`` (a completion on an engine), ``cmpl-abc-0`` (randomisation disabled),
-    ``chatcmpl-abc-1f2e3d4c`` and ``abc`` (the ``X-Request-Id`` itself, as push mode's
-    ``remote_request_id``) all give ``abc``. An unprefixed id loses only a trailing ``-<8 hex>``
-    (engine-made ids such as ``0-1f2e3d4c`` from the offline ``LLM`` API), as vLLM's own
-    ``get_base_request_id`` does.
+    ``cmpl-abc-0-1f2e3d4c`` (a completion on an engine), ``cmpl-abc-0`` (randomisation disabled)
+    and ``chatcmpl-abc-1f2e3d4c`` give ``abc``. An id without vLLM's ``cmpl-``/``chatcmpl-`` prefix
+    is taken as the client's ``X-Request-Id`` itself (push mode's ``remote_request_id``) and kept
+    whole, even when it ends in 8 hex digits: stripping those would break ids such as
+    ``warmup-4fe872f4`` that the prefill sees as ``cmpl-warmup-4fe872f4-0-<suffix>``.
     """
     m = _PREFIXED_RE.fullmatch(request_id)
-    if m is not None:
-        return m.group("base")
-    stripped = _RANDOM_SUFFIX_RE.sub("", request_id)
-    return stripped or request_id
+    return m.group("base") if m is not None else request_id
 
 
 def _digest(text: str) -> bytes:
