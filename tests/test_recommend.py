@@ -199,7 +199,15 @@ def test_recommend_finds_tcp_fallback_and_stalls():
     codes = {f.code for f in tu.findings}
     assert {"tcp_fallback", "stalled_transfers"} <= codes
     stall = next(f for f in tu.findings if f.code == "stalled_transfers")
-    assert stall.evidence["worst_phase"] == "decode_start_ms"
+    assert stall.evidence["worst_phase"] == "decode_start_ms" and stall.evidence["count"] == 1
+
+
+def test_long_push_rendezvous_waiting_for_prefill_is_not_a_stall():
+    slow = syn.PrefillTruth(per_token_ms=1.0)  # 2000-token prompts take >= 2 s to prefill
+    spans = syn.serving_spans(syn.SyntheticWorkload(n_conversations=6), mode="push", prefill=slow,
+                              seed=2)
+    tu = recommend(spans, n_boot=10, use_simulator=False)
+    assert "stalled_transfers" not in {f.code for f in tu.findings}
 
 
 def test_geometry_sets_bytes_per_token(case_spans):

@@ -25,7 +25,8 @@ class Workload:
     ``multi_turn_share``: share of requests that are a later turn (>= 2) of a conversation, i.e.
     could reuse retained history. ``gaps_s[i]`` is an inter-turn gap and ``gap_tokens[i]`` the
     tokens of history (previous prompt + output) held across it; ``final_tokens`` the history left
-    after each conversation's last turn (retained until the TTL runs out).
+    after each conversation's last turn (retained until the TTL runs out). A request without a
+    conversation id counts as a one-turn conversation in ``n_conversations``.
     """
 
     n_requests: int

@@ -30,10 +30,17 @@ def readiness(transfers: pd.DataFrame, spans: pd.DataFrame, *, fit: FloorFit | N
     """Findings about the deployment's readiness (see module constants)."""
     out: list[Finding] = []
     phase_cols = [sc.PHASE_COLUMNS[p] for p in sc.PHASES]
-    stalled = transfers[(transfers[phase_cols].fillna(0) > STALL_MS).any(axis=1).to_numpy(dtype=bool)]
+    phases = transfers[phase_cols].astype(float).copy()
+    # A push rendezvous that began with the registration waits for the prefill to compute: long
+    # prompts make it long without anything being stuck.
+    waiting = (transfers["first_arrival"] == sc.FirstArrival.REGISTRATION.value).fillna(False)
+    phases.loc[waiting.to_numpy(dtype=bool), "rendezvous_ms"] = float("nan")
+    stalled_mask = (phases.fillna(0) > STALL_MS).any(axis=1).to_numpy(dtype=bool)
+    stalled = transfers[stalled_mask]
     if len(stalled):
-        worst_col = stalled[phase_cols].max().astype(float).idxmax()
-        worst = stalled.loc[stalled[worst_col].astype(float).idxmax()]
+        sp = phases[stalled_mask]
+        worst_col = sp.max().idxmax()
+        worst = stalled.loc[sp[worst_col].idxmax()]
         out.append(Finding(
             "stalled_transfers", "warning",
             f"{len(stalled)} of {len(transfers)} transfer(s) have a phase longer than "

@@ -131,8 +131,11 @@ def recommend_ttl(workload: Workload, *, bytes_per_token: float, hbm_budget_gb: 
     if want <= 0:
         findings.append(Finding(
             "ttl_no_reusable_turn", "info",
-            f"no next turn carries >= {threshold_tokens} tokens of history: retention would never "
-            f"be reused; TTL {value} s", {"threshold_tokens": threshold_tokens}))
+            ("reuse never pays (threshold 'never'): retained history would never be pulled back"
+             if thr == math.inf else
+             f"no next turn carries >= {threshold_tokens} tokens of history: retention would never "
+             f"be reused") + f"; TTL {value} s",
+            {"threshold_tokens": threshold_tokens if thr != math.inf else None}))
     elif cap < want:
         findings.append(Finding(
             "ttl_capped_by_memory", "warning",
