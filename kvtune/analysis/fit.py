@@ -45,6 +45,8 @@ MAD_TO_SIGMA = 1.4826
 COLLINEAR_R2 = 0.999
 """Above this R^2 of descriptors on [1, bytes], the per-descriptor cost is not identifiable."""
 CI_LEVEL = 0.95
+BOOT_MAX_REDRAWS = 100
+"""Whole-sample bootstrap draws with too few sizes are redrawn this often, then stratified."""
 RELATIVE_FLOOR_SHARE = 0.1
 """Relative residuals divide by the fitted time, clamped at 10% of the smallest observed time."""
 OUTLIER_WEIGHT = 0.5
@@ -129,7 +131,7 @@ def _bisquare_w(u: np.ndarray) -> np.ndarray:
     return np.where(u < BISQUARE_C, (1.0 - (u / BISQUARE_C) ** 2) ** 2, 0.0)
 
 
-def _huber_irls(x: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def robust_irls(x: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Robust fit of ``y ~ x @ beta`` on *relative* residuals (timing noise grows with the time:
     a 2% wobble on a 100 ms transfer is not an outlier, 25 ms on a 2 ms one is): Huber IRLS from
     least squares, then Tukey bisquare from the Huber fit with the Huber scale fixed, so gross
@@ -231,7 +233,7 @@ def fit_floor_points(bytes: Sequence[float] | np.ndarray,  # noqa: A002 - unit n
     _check_design(b)
     with_desc = descriptors is not None and _descriptors_identifiable(b, d)
     x = _design(b, d, with_desc)
-    beta, w = _huber_irls(x, y)
+    beta, w = robust_irls(x, y)
     floor, ms_per_byte, us_per_desc = _params(beta, with_desc)
     if ms_per_byte <= 0:
         raise AnalysisError(
@@ -259,10 +261,13 @@ def fit_floor_points(bytes: Sequence[float] | np.ndarray,  # noqa: A002 - unit n
         if stratified:
             idx = np.concatenate([m[rng.integers(0, len(m), len(m))] for m in members])
         else:
-            idx = rng.integers(0, len(y), len(y))
-            while len(np.unique(b[idx])) < MIN_SIZES:
+            for _ in range(BOOT_MAX_REDRAWS):  # a sample must keep enough sizes to fit
                 idx = rng.integers(0, len(y), len(y))
-        boots[i], _ = _huber_irls(x[idx], y[idx])
+                if len(np.unique(b[idx])) >= MIN_SIZES:
+                    break
+            else:
+                idx = np.concatenate([m[rng.integers(0, len(m), len(m))] for m in members])
+        boots[i], _ = robust_irls(x[idx], y[idx])
     if len(boots):
         floors = boots[:, 0]
         slopes = boots[:, 1] / _BYTES_SCALE

@@ -19,7 +19,7 @@ import numpy as np
 import pandas as pd
 
 from kvtune import spans as sc
-from kvtune.analysis.fit import _huber_irls
+from kvtune.analysis.fit import robust_irls
 from kvtune.errors import AnalysisError
 
 VLLM_REQUEST_SPAN = "llm_request"
@@ -120,7 +120,7 @@ def prefill_cost(spans: pd.DataFrame) -> PrefillCost:
     # Costs are non-negative: drop the most negative term and refit until none is (active set).
     active = [0, 1, 2]
     while True:
-        b_act, w = _huber_irls(x[:, active], ms)
+        b_act, w = robust_irls(x[:, active], ms)
         if b_act.min() >= 0 or len(active) == 1:
             break
         active.pop(int(np.argmin(b_act)))
