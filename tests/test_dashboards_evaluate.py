@@ -16,6 +16,7 @@ from kvtune import spans as sc
 from kvtune import telemetry, traces
 from kvtune.analysis import synthetic
 from kvtune.dashboards import generator as gen
+from kvtune.dashboards.check import check_panels
 from kvtune.dashboards.evaluate import SEARCH_COLUMNS, evaluate
 from kvtune.dashboards.templating import interpolate, variable_names
 from kvtune.dashboards.traceql import parse
@@ -170,16 +171,23 @@ def _replay_through_sdk(df: pd.DataFrame, out_dir: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def produced(tmp_path_factory) -> pd.DataFrame:
-    """Spans of every mode (push and pull phases, bidirectional reuse/retention) and a probe sweep."""
+def produced_dir(tmp_path_factory) -> Path:
+    """OTLP-JSON lines of every mode (push and pull phases, bidirectional reuse/retention) and a
+    probe sweep, as kvtune.telemetry writes them."""
     out = tmp_path_factory.mktemp("spans")
     work = synthetic.SyntheticWorkload(n_conversations=3, turns=(2,))
     parts = [synthetic.serving_spans(work, mode=m, seed=i) for i, m in enumerate(
         (sc.Mode.PUSH, sc.Mode.PULL, sc.Mode.BIDIRECTIONAL))]
     parts.append(synthetic.probe_spans(seed=3).head(60))
     _replay_through_sdk(pd.concat(parts, ignore_index=True), out)
-    loaded = traces.load(str(out), correct_clocks=False)
-    assert len(loaded) == sum(len(p) for p in parts)
+    (out / "count").write_text(str(sum(len(p) for p in parts)))
+    return out
+
+
+@pytest.fixture(scope="module")
+def produced(produced_dir) -> pd.DataFrame:
+    loaded = traces.load(str(produced_dir), correct_clocks=False)
+    assert len(loaded) == int((produced_dir / "count").read_text())
     return loaded
 
 
@@ -236,6 +244,30 @@ def test_panels_show_what_the_producer_did(produced):
     rdma = produced[produced["name"] == sc.SpanName.RDMA.value]
     assert len(slow) == int((rdma["duration_ms"] >= 5).sum())
     assert np.isin(slow["trace_id"], produced["trace_id"]).all()
+
+
+def test_check_panels_reports_rows_per_panel(produced):
+    result = check_panels(produced)
+    assert result.span_count == len(produced) and result.empty_phases == ()
+    phases = {p.phase for p in result.panels if p.phase}
+    assert phases == {ph.value for ph in sc.PHASES}
+    assert all(p.rows > 0 for p in result.panels)
+    probe_only = check_panels(produced, variables={"mode": [sc.Mode.PROBE.value]})
+    # the probe has no push rendezvous, registration or decode: those panels are empty
+    assert set(probe_only.empty_phases) == {sc.SpanName.REGISTRATION.value, sc.SpanName.RENDEZVOUS.value,
+                                            sc.SpanName.DECODE_START.value}
+    assert "Transfer phases of conversation .*" in probe_only.table()
+
+
+def test_check_cli(produced_dir, capsys):
+    from kvtune.cli import main as kvtune_main
+    files = [str(p) for p in sorted(produced_dir.glob("*.jsonl"))]
+    assert kvtune_main(["dashboards", "check", *files, "--strict"]) == 0
+    out = capsys.readouterr().out
+    assert "RDMA (post → completion)" in out and "rows" in out
+    assert kvtune_main(["dashboards", "check", str(produced_dir), "--mode", "probe"]) == 0
+    assert kvtune_main(["dashboards", "check", str(produced_dir), "--mode", "probe", "--strict"]) == 1
+    assert sc.SpanName.REGISTRATION.value in capsys.readouterr().err
 
 
 # --- End to end with the real fabric probe (NIXL transfers on this host) -------------------------
