@@ -90,14 +90,14 @@ def test_one_size_only_says_what_to_add():
         fit_floor_points([4096] * 10, None, [1.0] * 10)
     msg = str(e.value)
     assert "1 distinct size" in msg and "4096 B x10" in msg
-    assert "3 each at 2 new distinct size(s)" in msg and "16384 B" in msg
+    assert "3 each at 2 new distinct size(s) (e.g. 16384 B and 1024 B;" in msg
 
 
 def test_two_sizes_say_which_to_top_up_and_add():
     with pytest.raises(AnalysisError) as e:
         fit_floor_points([1000, 1000, 1000, 2000], None, [1, 1, 1, 2])
     msg = str(e.value)
-    assert "2 more at 2000 B" in msg and "3 each at 1 new distinct size(s) (e.g. 8000 B)" in msg
+    assert "2 more at 2000 B" in msg and "3 each at 1 new distinct size(s) (e.g. 8000 B;" in msg
 
 
 def test_enough_sizes_but_too_few_points_says_how_many():

@@ -177,8 +177,11 @@ def _check_design(b: np.ndarray) -> None:
         todo += [f"{MIN_POINTS_PER_SIZE - int(c)} more at {int(s)} B"
                  for s, c in zip(sizes, counts) if c < MIN_POINTS_PER_SIZE]
         top = int(sizes.max()) if len(sizes) else 0
-        hint = (" (e.g. " + " and ".join(f"{top * 4 ** (k + 1)} B" for k in range(need_sizes)) + ")"
-                if top > 0 else "")
+        # alternate above and below what is there: 4x, 1/4x, 16x, 1/16x ...
+        picks = [top * 4 ** (k // 2 + 1) if k % 2 == 0 else max(top // 4 ** (k // 2 + 1), 1)
+                 for k in range(need_sizes)]
+        hint = (" (e.g. " + " and ".join(f"{p} B" for p in picks) + "; `kvtune probe run` sweeps "
+                "sizes)" if top > 0 else "")
         todo.append(f"{MIN_POINTS_PER_SIZE} each at {need_sizes} new distinct size(s){hint}")
     else:
         todo.append(f"{MIN_POINTS - len(b)} more transfer(s) at these or other sizes")
