@@ -244,6 +244,13 @@ def test_panels_show_what_the_producer_did(produced):
     rdma = produced[produced["name"] == sc.SpanName.RDMA.value]
     assert len(slow) == int((rdma["duration_ms"] >= 5).sum())
     assert np.isin(slow["trace_id"], produced["trace_id"]).all()
+    # a click on a row sets traceID; the trace panel's query becomes that bare hex id, which Grafana's
+    # Tempo datasource fetches as a trace (its isTraceIdQuery: only hex characters)
+    picked = slow.sort_values("duration_ms", ascending=False)["trace_id"].iloc[0]
+    trace_query = interpolate(gen.TRACE_QUERY, {**vars_, "traceID": picked})
+    assert trace_query == picked and all(c in "0123456789abcdef" for c in trace_query)
+    in_trace = set(produced.loc[produced["trace_id"] == picked, "name"])
+    assert sc.SpanName.RDMA.value in in_trace and len(in_trace) > 1
 
 
 def test_check_panels_reports_rows_per_panel(produced):
