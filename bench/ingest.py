@@ -180,7 +180,8 @@ def _measure(kind: str, directory: Path) -> dict:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--spans", type=int, default=1_000_000)
-    ap.add_argument("--keep", type=Path, help="write the spans here and keep them")
+    ap.add_argument("--keep", type=Path,
+                    help="write the spans here and keep them (reused when the count matches)")
     ap.add_argument("--child", nargs=2, metavar=("KIND", "DIR"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child:
@@ -188,11 +189,17 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     directory = args.keep or Path(tempfile.mkdtemp(prefix="kvtune-ingest-"))
     try:
-        t = time.perf_counter()
-        files = generate(directory, args.spans)
+        marker = directory / "generated.txt"
+        if args.keep is not None and marker.exists() and marker.read_text().strip() == str(args.spans):
+            files = sorted(directory.glob("*.jsonl"))
+            print(f"reusing {args.spans} spans in {directory}")
+        else:
+            t = time.perf_counter()
+            files = generate(directory, args.spans)
+            marker.write_text(f"{args.spans}\n")
+            print(f"generated {args.spans} spans in {time.perf_counter() - t:.1f} s")
         size_mib = sum(f.stat().st_size for f in files) / 2**20
-        print(f"generated {args.spans} spans ({size_mib:.0f} MiB OTLP-JSON lines) in "
-              f"{time.perf_counter() - t:.1f} s")
+        print(f"{size_mib:.0f} MiB of OTLP-JSON lines in {len(files)} files")
         results = {kind: _measure(kind, directory) for kind in ("kvtune", "naive")}
         for r in results.values():
             print(f"{r['kind']:>7}: {r['spans']} spans in {r['wall_s']:.2f} s = "

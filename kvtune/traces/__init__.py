@@ -8,9 +8,11 @@ from __future__ import annotations
 from kvtune.traces.clocks import ClockOffsets, apply_offsets, estimate_offsets
 from kvtune.traces.columns import SPAN_COLUMNS, SPAN_DTYPES, all_columns, attribute_columns, empty_frame
 from kvtune.traces.loader import load, resolve
+from kvtune.traces.summary import TraceSummary, summarize, summarize_frame
 from kvtune.traces.tempo import TempoSource
 
 __all__ = [
-    "SPAN_COLUMNS", "SPAN_DTYPES", "ClockOffsets", "TempoSource", "all_columns", "apply_offsets",
-    "attribute_columns", "empty_frame", "estimate_offsets", "load", "resolve",
+    "SPAN_COLUMNS", "SPAN_DTYPES", "ClockOffsets", "TempoSource", "TraceSummary", "all_columns",
+    "apply_offsets", "attribute_columns", "empty_frame", "estimate_offsets", "load", "resolve",
+    "summarize", "summarize_frame",
 ]

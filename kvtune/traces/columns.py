@@ -9,6 +9,7 @@ from __future__ import annotations
 import base64
 import binascii
 import bisect
+from array import array
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -41,6 +42,9 @@ SPAN_DTYPES: dict[str, str] = {
 """dtype of each fixed column (``parent_span_id`` is nullable ``string``: pd.NA for roots)."""
 
 NS_PER_MS = 1e6
+SHARED_STR_MAX_CHARS = 24
+"""String attribute values up to this length (enum values, engine ids, backends) are interned:
+they repeat on every span, and one shared object each saves about a quarter of the memory."""
 TRACE_ID_BYTES = 16
 SPAN_ID_BYTES = 8
 _HEX = b"0123456789abcdef"
@@ -88,7 +92,9 @@ class SpanRows:
         self.message: list[str] = []
         self.attrs: list[dict[str, Any]] = []
         self.resource: list[dict[str, Any]] = []
-        self.conv: dict[str, tuple[list[int], list[Any]]] = {k: ([], []) for k in spans.ATTRIBUTE_TYPES}
+        self.conv: dict[str, tuple[array, list[Any]]] = {
+            k: (array("q"), []) for k in spans.ATTRIBUTE_TYPES}
+        """Per convention attribute: rows where it is set, and its values there."""
         self.sources: list[str] = []
         self._block_rows: list[int] = []  # first row of each decoded document
         self._block_where: list[tuple[int, int | None]] = []  # (source index, line)
@@ -118,7 +124,7 @@ class SpanRows:
         self._block_where.append((source_index, line))
         intern = sys.intern
         any_value = otlp_json.any_value
-        conv = self.conv
+        conv = {k: (rows.append, values.append) for k, (rows, values) in self.conv.items()}
         row = len(self.trace_id)
         attrs_append = self.attrs.append
         for rs in resource_spans:
@@ -153,7 +159,10 @@ class SpanRows:
                             val = None
                         else:
                             val = v.string_value
-                            if val is None:
+                            if val is not None:
+                                if len(val) <= SHARED_STR_MAX_CHARS:
+                                    val = intern(val)
+                            else:
                                 val = v.int_value
                                 if val is None:
                                     val = v.double_value
@@ -164,14 +173,18 @@ class SpanRows:
                         d[key] = val
                         c = conv.get(key)
                         if c is not None and val is not None:
-                            c[0].append(row)
-                            c[1].append(val)
+                            add_row, add_value = c
+                            add_row(row)
+                            add_value(val)
                     attrs_append(d)
                     row += 1
 
     # --- building the frame ------------------------------------------------------------------
     def frame(self, *, skip_bad: bool = False) -> pd.DataFrame:
-        """The spans DataFrame (columns per :data:`SPAN_COLUMNS` + attribute columns)."""
+        """The spans DataFrame (columns per :data:`SPAN_COLUMNS` + attribute columns).
+
+        Consumes the accumulated lists (each is released once its column is built); call once.
+        """
         n = len(self.trace_id)
         bad: dict[int, str] = {}
 
@@ -181,11 +194,25 @@ class SpanRows:
                 raise TraceFormatError(src, field, expected, line=line, got=got)
             bad.setdefault(row, f"field {field!r}: expected {expected}, got {got!r}"[:300])
 
-        trace_id = _normalize_ids(self.trace_id, TRACE_ID_BYTES, "traceId", fail, allow_empty=False)
-        span_id = _normalize_ids(self.span_id, SPAN_ID_BYTES, "spanId", fail, allow_empty=False)
-        parent = _normalize_ids(self.parent, SPAN_ID_BYTES, "parentSpanId", fail, allow_empty=True)
+        # Each list is released as soon as its column is built, to keep the peak memory low.
+        data: dict[str, Any] = {}
+        data["trace_id"] = pd.array(_normalize_ids(self.trace_id, TRACE_ID_BYTES, "traceId", fail,
+                                                   allow_empty=False), dtype=STR_DTYPE)
+        self.trace_id = []
+        data["span_id"] = pd.array(_normalize_ids(self.span_id, SPAN_ID_BYTES, "spanId", fail,
+                                                  allow_empty=False), dtype=STR_DTYPE)
+        self.span_id = []
+        data["parent_span_id"] = pd.array(_normalize_ids(self.parent, SPAN_ID_BYTES, "parentSpanId",
+                                                         fail, allow_empty=True), dtype="string")
+        self.parent = []
+        for col in ("name", "service", "host"):
+            data[col] = pd.array(getattr(self, col), dtype=STR_DTYPE)
+            setattr(self, col, [])
         start = np.array(self.start, dtype=np.int64) if n else np.zeros(0, np.int64)
         end = np.array(self.end, dtype=np.int64) if n else np.zeros(0, np.int64)
+        self.start, self.end = [], []
+        data["start_ns"], data["end_ns"] = start, end
+        data["duration_ms"] = (end - start) / NS_PER_MS
         codes = np.zeros(n, dtype=np.int8)
         messages: list[str] = [""] * n
         for i, st in enumerate(self.status):
@@ -199,26 +226,17 @@ class SpanRows:
                 codes[i] = c
             if st.message:
                 messages[i] = st.message
-        typed: dict[str, Any] = {}
-        for key, (rows, values) in self.conv.items():
-            typed[key] = _typed_column(key, rows, values, n, fail)
-
-        data: dict[str, Any] = {
-            "trace_id": pd.array(trace_id, dtype=STR_DTYPE),
-            "span_id": pd.array(span_id, dtype=STR_DTYPE),
-            "parent_span_id": pd.array(parent, dtype="string"),
-            "name": pd.array(self.name, dtype=STR_DTYPE),
-            "service": pd.array(self.service, dtype=STR_DTYPE),
-            "host": pd.array(self.host, dtype=STR_DTYPE),
-            "start_ns": start,
-            "end_ns": end,
-            "duration_ms": (end - start) / NS_PER_MS,
-            "status": pd.array(np.array(otlp_json.STATUS_NAMES, dtype=object)[codes], dtype=STR_DTYPE),
-            "status_message": pd.array(messages, dtype=STR_DTYPE),
-            "attrs": _object_array(self.attrs),
-            "resource": _object_array(self.resource),
-        }
-        data.update(typed)
+        self.status = []
+        data["status"] = pd.array(np.array(otlp_json.STATUS_NAMES, dtype=object)[codes], dtype=STR_DTYPE)
+        data["status_message"] = pd.array(messages, dtype=STR_DTYPE)
+        del messages
+        data["attrs"] = _object_array(self.attrs)
+        data["resource"] = _object_array(self.resource)
+        self.attrs, self.resource = [], []
+        for key in list(self.conv):
+            rows, values = self.conv.pop(key)
+            data[key] = _typed_column(key, rows, values, n, fail)
+            del rows, values
         df = pd.DataFrame(data, copy=False)
         if bad:
             for row, reason in sorted(bad.items()):

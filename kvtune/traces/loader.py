@@ -253,6 +253,8 @@ def load(source: SourceArg, *, skip_bad: bool = False, correct_clocks: bool = Tr
     try:
         rows = read_spans(source, skip_bad=skip_bad, progress=progress)
         df = rows.frame(skip_bad=skip_bad)
+        skipped, sources = rows.skipped, rows.sources
+        del rows
     finally:
         if gc_was_enabled:
             gc.enable()
@@ -262,10 +264,10 @@ def load(source: SourceArg, *, skip_bad: bool = False, correct_clocks: bool = Tr
         offsets = dict(est.offsets_ns)
         df = apply_offsets(df, offsets)
     df.attrs["clock_offsets_ns"] = offsets
-    df.attrs["skipped"] = [s.as_tuple() for s in rows.skipped]
-    df.attrs["sources"] = list(rows.sources)
-    if rows.skipped:
+    df.attrs["skipped"] = [s.as_tuple() for s in skipped]
+    df.attrs["sources"] = list(sources)
+    if skipped:
         _logger.warning("skipped %d bad record(s) from %d source(s); first: %s:%s: %s",
-                        len(rows.skipped), len({s.source for s in rows.skipped}),
-                        rows.skipped[0].source, rows.skipped[0].line, rows.skipped[0].reason)
+                        len(skipped), len({s.source for s in skipped}),
+                        skipped[0].source, skipped[0].line, skipped[0].reason)
     return df
