@@ -161,11 +161,28 @@ def test_a_few_acausal_cross_host_notifies_are_dropped():
     assert t["notify_ms"].notna().sum() == 9
 
 
+def _on_host(spans: list[dict], host: str) -> list[dict]:
+    for sp in spans:
+        if sp["name"] in (sc.SpanName.RDMA.value, sc.SpanName.DESCRIPTOR_SETUP.value):
+            sp["host"] = host
+    return spans
+
+
 def test_mixed_units_in_xfer_us_are_refused():
     spans = _pull("a:forward") + _pull("b:forward", t0=10)
-    spans[5]["attrs"][sc.NIXL_XFER_US] = 2.9  # milliseconds written into a _us attribute
-    with pytest.raises(AnalysisError, match="mixed units.*kv.nixl.xfer_us.*b:forward"):
+    spans += _on_host(_pull("c:forward", t0=20) + _pull("d:forward", t0=30), "decode-1")
+    for sp in spans[9::4]:  # decode-1's rdma spans: milliseconds written into a _us attribute
+        sp["attrs"][sc.NIXL_XFER_US] = 2.9
+    with pytest.raises(AnalysisError, match=r"mixed units.*2 transfer\(s\) initiated by decode-1.*"
+                                            r"kv.nixl.xfer_us is 0.000967x"):
         transfers(syn.spans_frame(spans))
+
+
+def test_one_stalled_rdma_is_not_a_unit_error():
+    spans = _pull("a:forward") + _pull("b:forward", t0=10) + _pull("c:forward", t0=20)
+    spans[5]["end_ns"] += 2000 * MS  # polled 2 s late; NIXL's own 2.9 ms stays
+    t = transfers(syn.spans_frame(spans)).set_index("transfer_id")
+    assert t.loc["b:forward", "rdma_ms"] == pytest.approx(2003.0)
 
 
 def test_mixed_units_in_bytes_are_refused():

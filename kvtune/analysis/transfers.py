@@ -34,11 +34,11 @@ SKEWED_SHARE = 0.2
 """If more than this share of a host pair's transfers violate causality, the hosts' clocks are
 skewed (not a few stray spans): refuse instead of dropping phases."""
 UNIT_RATIO_LIMIT = 100.0
-"""``kv.nixl.xfer_us`` and the ``kv.rdma`` span time the same thing; a factor over 100 between them
-means a value was written in ms or ns into a ``_us`` attribute."""
+"""``kv.nixl.xfer_us`` and the ``kv.rdma`` span time the same thing; when a producer's median
+differs by a factor over 100 (ms or ns written into a ``_us`` attribute is 1000x) the units are mixed."""
 BYTES_PER_BLOCK_SPREAD_LIMIT = 512.0
-"""``kv.bytes / kv.blocks`` is fixed by the model; a spread over 512x (KiB vs bytes is 1024x) means
-mixed units."""
+"""``kv.bytes / kv.blocks`` is fixed by the model; a spread over 512x within one fabric and mode
+(KiB vs bytes is 1024x) means mixed units."""
 
 _STRING = "string"
 _SIZE_ATTRS = {"tokens": sc.TOKENS, "blocks": sc.BLOCKS, "bytes": sc.BYTES,
@@ -139,28 +139,41 @@ def _drop_acausal_notifies(ph: pd.DataFrame) -> pd.DataFrame:
     return ph
 
 
+def _groups(out: pd.DataFrame, cols: tuple[str, ...]):
+    keys = [out[c].astype(object).fillna("-") for c in cols]
+    return out.groupby(keys, sort=True)
+
+
 def _check_units(out: pd.DataFrame) -> None:
-    both = out["rdma_ms"].notna() & out["nixl_xfer_us"].notna() & (out["rdma_ms"] > 0) \
-        & (out["nixl_xfer_us"] > 0)
+    """Mixed units are systematic (one producer writes ms into a ``_us`` attribute, KiB into
+    ``kv.bytes``): judge each producer group's median, so a single stalled transfer whose span
+    outlasts NIXL's own timing is not mistaken for a unit error."""
+    both = (out["rdma_ms"].notna() & out["nixl_xfer_us"].notna() & (out["rdma_ms"] > 0)
+            & (out["nixl_xfer_us"] > 0)).to_numpy(dtype=bool)
     if both.any():
-        ratio = (out.loc[both, "nixl_xfer_us"] / 1e3 / out.loc[both, "rdma_ms"]).astype(float)
-        off = (ratio > UNIT_RATIO_LIMIT) | (ratio < 1.0 / UNIT_RATIO_LIMIT)
-        if off.any():
-            ex = out.loc[both].loc[off]
-            raise AnalysisError(
-                f"spans: mixed units: {sc.NIXL_XFER_US} differs from the {sc.SpanName.RDMA.value} "
-                f"span's duration by a factor of {float(ratio[off].median()):.3g} on {int(off.sum())} "
-                f"of {int(both.sum())} transfer(s) (e.g. {ex['transfer_id'].iloc[0]}: "
-                f"{float(ex['nixl_xfer_us'].iloc[0]):.6g} us vs {float(ex['rdma_ms'].iloc[0]):.6g} ms);"
-                f" expected microseconds in {sc.NIXL_XFER_US}")
-    ok = out["bytes"].notna() & out["blocks"].notna() & (out["blocks"] > 0) & (out["bytes"] > 0)
+        sub = out[both].assign(_ratio=(out.loc[both, "nixl_xfer_us"] / 1e3
+                                       / out.loc[both, "rdma_ms"]).astype(float))
+        for key, g in _groups(sub, ("initiator_host", "mode")):
+            med = float(g["_ratio"].median())
+            if med > UNIT_RATIO_LIMIT or med < 1.0 / UNIT_RATIO_LIMIT:
+                raise AnalysisError(
+                    f"spans: mixed units: on {len(g)} transfer(s) initiated by {key[0]} "
+                    f"(mode {key[1]}) {sc.NIXL_XFER_US} is {med:.3g}x the {sc.SpanName.RDMA.value} "
+                    f"span's duration (e.g. {g['transfer_id'].iloc[0]}: "
+                    f"{float(g['nixl_xfer_us'].iloc[0]):.6g} us vs {float(g['rdma_ms'].iloc[0]):.6g} "
+                    f"ms); expected microseconds in {sc.NIXL_XFER_US}")
+    ok = (out["bytes"].notna() & out["blocks"].notna() & (out["blocks"] > 0)
+          & (out["bytes"] > 0)).to_numpy(dtype=bool)
     if ok.sum() >= 2:
-        bpb = (out.loc[ok, "bytes"] / out.loc[ok, "blocks"]).astype(float)
-        if bpb.max() / bpb.min() > BYTES_PER_BLOCK_SPREAD_LIMIT:
-            raise AnalysisError(
-                f"spans: mixed units: {sc.BYTES}/{sc.BLOCKS} ranges from {bpb.min():.6g} to "
-                f"{bpb.max():.6g} bytes per block across transfers (a model's block size is fixed); "
-                f"expected {sc.BYTES} in bytes on every span")
+        sub = out[ok].assign(_bpb=(out.loc[ok, "bytes"] / out.loc[ok, "blocks"]).astype(float))
+        for key, g in _groups(sub, ("fabric", "mode")):
+            lo, hi = float(g["_bpb"].min()), float(g["_bpb"].max())
+            if hi / lo > BYTES_PER_BLOCK_SPREAD_LIMIT:
+                raise AnalysisError(
+                    f"spans: mixed units: {sc.BYTES}/{sc.BLOCKS} ranges from {lo:.6g} to {hi:.6g} "
+                    f"bytes per block across {len(g)} transfer(s) on fabric {key[0]} (mode "
+                    f"{key[1]}); one model's block size is fixed: expected {sc.BYTES} in bytes on "
+                    f"every span")
 
 
 def _status(s: pd.Series) -> str:
