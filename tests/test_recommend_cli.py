@@ -37,13 +37,17 @@ def test_analyze_prints_fit_per_fabric(trace, tmp_path, capsys):
 def test_recommend_writes_the_files(trace, tmp_path, capsys):
     out = tmp_path / "cfg"
     rc = main(["recommend", str(trace), "--out", str(out), "--model", "Qwen/Qwen3-32B",
-               "--fabric", "efa"], MODULES)
+               "--fabric", "efa", "--connector", "vllm", "--decode-url", "http://10.0.0.2:8200"],
+              MODULES)
     printed = capsys.readouterr().out
     assert rc == 0
     assert "kv_recompute_threshold" in printed and f"written: {out}" in printed
     rec = json.loads((out / "recommendation.json").read_text())
     assert rec["trace_source"].endswith("spans.jsonl") and rec["span_count"] > 0
     assert rec["fit"]["source"].endswith("spans.jsonl")
+    kv = json.loads((out / "decode.kv-transfer-config.json").read_text())
+    assert kv["kv_connector"] in ("NixlConnector", "NixlPushConnector")
+    assert "http://10.0.0.2:8200" in (out / "router.yaml").read_text()
     # a second run refuses to overwrite without --force
     rc = main(["recommend", str(trace), "--out", str(out)], MODULES)
     assert rc == 2 and "exists" in capsys.readouterr().err

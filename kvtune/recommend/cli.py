@@ -27,6 +27,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="the decode cannot be chosen before the prefill (rules out push)")
     p.add_argument("--fabric", default=None, help="fabric whose transfers the floor is fitted on")
     p.add_argument("--prefill-instances", type=int, default=1)
+    p.add_argument("--connector", choices=("kvtune", "vllm"), default="kvtune",
+                   help="kvtune's instrumented connectors (default) or vLLM's own NIXL connectors")
+    p.add_argument("--prefill-url", default=None, help="prefill URL for router.yaml "
+                                                       "(default a PREFILL_HOST placeholder)")
+    p.add_argument("--decode-url", default=None, help="decode URL for router.yaml "
+                                                      "(default a DECODE_HOST placeholder)")
     p.add_argument("--skip-bad", action="store_true", help="skip malformed records (reported)")
     p.set_defaults(func=run)
 
@@ -41,11 +47,17 @@ def run(args: argparse.Namespace) -> int:
 
         geometry = from_hf_config(args.geometry, tp_size=args.tp_size)
     source = args.source[0] if len(args.source) == 1 else list(args.source)
+    export_options = {"connector": args.connector}
+    if args.prefill_url:
+        export_options["prefill_url"] = args.prefill_url
+    if args.decode_url:
+        export_options["decode_url"] = args.decode_url
     tuning, out = recommend_source(
         source, args.out, model=args.model, geometry=geometry,
         hbm_budget_gb=args.hbm_budget_gb if args.hbm_budget_gb is not None else DEFAULT_HBM_BUDGET_GB,
         early_decode_ok=not args.no_early_decode, fabric=args.fabric,
-        prefill_instances=args.prefill_instances, skip_bad=args.skip_bad, overwrite=args.force)
+        prefill_instances=args.prefill_instances, skip_bad=args.skip_bad, overwrite=args.force,
+        export_options=export_options)
     for r in (tuning.threshold, tuning.ttl):
         print(f"{r.name:24s} {r.value} {r.unit}  (range {r.range[0]} .. {r.range[1]})")
     print(f"{'mode':24s} {tuning.mode.value}  (runner-up {tuning.mode.range[1]})")
