@@ -32,7 +32,7 @@ from kvtune.local.errors import LocalPairError
 from kvtune.local.metrics import PromptTokenSources, prompt_token_sources
 from kvtune.local.server import HOST, SERVED_MODEL_NAME, VllmServer, free_ports, logs_report
 from kvtune.local.tiny_model import make_tiny_model
-from kvtune.spans import KV_PARAMS_TRACEPARENT
+from kvtune.spans import KV_PARAMS_CONVERSATION_ID, KV_PARAMS_TRACEPARENT, KV_PARAMS_TURN
 
 MODES: Final = ("pull", "push", "bidirectional")
 CONNECTORS: Final = ("kvtune", "vllm")
@@ -124,10 +124,14 @@ def _headers(request_id: str, traceparent: str | None) -> dict[str, str]:
     return headers
 
 
-def _with_traceparent(params: Mapping[str, Any], traceparent: str | None) -> dict[str, Any]:
+def _with_context(params: Mapping[str, Any], traceparent: str | None,
+                  conversation: tuple[str, int] | None = None) -> dict[str, Any]:
+    """``params`` plus kvtune's carriers: the W3C traceparent, the conversation id and turn."""
     out = dict(params)
     if traceparent:
         out[KV_PARAMS_TRACEPARENT] = traceparent
+    if conversation is not None:
+        out[KV_PARAMS_CONVERSATION_ID], out[KV_PARAMS_TURN] = conversation
     return out
 
 
@@ -212,6 +216,7 @@ class LocalPair(_Servers):
         self.cpu_cores = cpu_cores
         self.warmup_transfer = warmup_transfer
         self._conversations: dict[str, dict[str, Any]] = {}
+        self._turns: dict[str, int] = {}
         self._lock = threading.Lock()
         self._servers = []
         self.prefill: VllmServer | None = None
@@ -333,14 +338,18 @@ class LocalPair(_Servers):
         prefill, decode = self._require("prefill"), self._require("decode")
         headers = _headers(rid, traceparent)
         p_params: dict[str, Any] = {"do_remote_decode": True}
+        conv: tuple[str, int] | None = None
         if conversation is not None:
             with self._lock:
                 history = self._conversations.get(conversation)
+                turn = self._turns.get(conversation, 0) + 1
+                self._turns[conversation] = turn
+            conv = (conversation, turn)
             if history is not None:
                 p_params = dict(history)  # the decode's retained blocks (do_remote_decode: true)
         p = self._call(prefill, "prefill", _body(
             prompt, 1, ignore_eos=ignore_eos, stream=False,
-            kv_transfer_params=_with_traceparent(p_params, traceparent)), headers)
+            kv_transfer_params=_with_context(p_params, traceparent, conv)), headers)
         if not p.kv_transfer_params:
             raise LocalPairError(f"prefill leg of {rid}: expected kv_transfer_params in the "
                                  f"response (is the KV connector loaded?), got {p.body!r}"[:2000]
@@ -348,7 +357,7 @@ class LocalPair(_Servers):
         stream = self.mode != "bidirectional"  # only non-streaming responses carry kv params
         d = self._call(decode, "decode", _body(
             prompt, max_tokens, ignore_eos=ignore_eos, stream=stream,
-            kv_transfer_params=_with_traceparent(p.kv_transfer_params, traceparent)), headers)
+            kv_transfer_params=_with_context(p.kv_transfer_params, traceparent, conv)), headers)
         if conversation is not None:
             with self._lock:
                 if d.kv_transfer_params:
@@ -377,7 +386,7 @@ class LocalPair(_Servers):
             try:
                 outcome["p"] = self._call(prefill, "prefill", _body(
                     prompt, 1, ignore_eos=ignore_eos, stream=False,
-                    kv_transfer_params=_with_traceparent({"do_remote_decode": True},
+                    kv_transfer_params=_with_context({"do_remote_decode": True},
                                                          traceparent)), headers)
             except BaseException as exc:  # re-raised on the caller's thread
                 outcome["error"] = exc
@@ -387,7 +396,7 @@ class LocalPair(_Servers):
         try:
             d = self._call(decode, "decode", _body(
                 prompt, max_tokens, ignore_eos=ignore_eos, stream=True,
-                kv_transfer_params=_with_traceparent(d_params, traceparent)), headers)
+                kv_transfer_params=_with_context(d_params, traceparent)), headers)
         finally:
             t.join(REQUEST_TIMEOUT_S + 10)
         if "error" in outcome:
@@ -406,6 +415,7 @@ class LocalPair(_Servers):
         """Drop what the pair holds for ``conversation`` (its next turn starts fresh)."""
         with self._lock:
             self._conversations.pop(conversation, None)
+            self._turns.pop(conversation, None)
 
     def conversation_params(self, conversation: str) -> dict[str, Any] | None:
         """The decode's retained-block params stored for ``conversation`` (bidirectional)."""

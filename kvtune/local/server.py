@@ -152,8 +152,8 @@ class VllmServer:
             return False
         return status == 200
 
-    def stop(self) -> None:
-        """Terminate the server's process group, then kill it; idempotent, never raises."""
+    def stop(self, grace_s: float = STOP_GRACE_S) -> None:
+        """Terminate the server, then kill its process group; idempotent, never raises."""
         proc, self.proc = self.proc, None
         _LIVE.discard(self)
         if proc is not None:
@@ -164,7 +164,7 @@ class VllmServer:
             except ProcessLookupError:
                 pass
             try:
-                proc.wait(timeout=STOP_GRACE_S)
+                proc.wait(timeout=grace_s)
             except subprocess.TimeoutExpired:
                 pass
             # Kill what is left of the group (the engine-core child may outlive the API server).

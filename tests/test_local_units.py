@@ -1,0 +1,295 @@
+"""Fast checks of the local test bed without vLLM: arguments, the kv-transfer configs each mode
+produces, /metrics parsing, process handling (real subprocesses standing in for vLLM servers) and
+the HTTP client (against a real loopback HTTP server standing in for vLLM's)."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import textwrap
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from kvtune.errors import KvtuneError
+from kvtune.local import client
+from kvtune.local.errors import LocalPairError
+from kvtune.local.metrics import (
+    PROMPT_TOKENS_BY_SOURCE, PromptTokenSources, parse_prometheus, prompt_token_sources_from_text,
+)
+from kvtune.local.pair import (
+    CONNECTOR_CLASSES, KV_LEASE_DURATION_S, KVTUNE_CONNECTOR_MODULE, LocalPair,
+)
+from kvtune.local.server import VllmServer, free_ports, wait_healthy
+
+
+# --- arguments and configuration -------------------------------------------------------------
+@pytest.mark.parametrize("kwargs, match", [
+    ({"mode": "pushpull"}, "mode"),
+    ({"mode": "pull", "connector": "lmcache"}, "connector"),
+    ({"mode": "bidirectional", "ttl_s": 0}, "ttl_s"),
+    ({"mode": "bidirectional", "recompute_threshold": -1}, "recompute_threshold"),
+    ({"mode": "push", "ttl_s": 10}, "bidirectional"),
+    ({"mode": "pull", "prefill_engine_id": "x", "decode_engine_id": "x"}, "engine_id"),
+])
+def test_bad_pair_arguments_raise_a_kvtune_error(tmp_path, kwargs, match):
+    mode = kwargs.pop("mode")
+    with pytest.raises(LocalPairError, match=match) as err:
+        LocalPair(mode, workdir=tmp_path, **kwargs)
+    assert isinstance(err.value, KvtuneError)
+
+
+@pytest.mark.parametrize("connector", ["kvtune", "vllm"])
+@pytest.mark.parametrize("mode", ["pull", "push", "bidirectional"])
+def test_kv_transfer_config_per_mode_and_connector(tmp_path, mode, connector):
+    kwargs = {"ttl_s": 30, "recompute_threshold": 8} if mode == "bidirectional" else {}
+    pair = LocalPair(mode, connector=connector, workdir=tmp_path,
+                     kv_extra_config={"num_threads": 2}, **kwargs)
+    p, d = pair.kv_transfer_config("prefill"), pair.kv_transfer_config("decode")
+    assert p["kv_connector"] == d["kv_connector"] == CONNECTOR_CLASSES[(connector, mode)]
+    if connector == "kvtune":
+        assert p["kv_connector_module_path"] == d["kv_connector_module_path"] \
+            == KVTUNE_CONNECTOR_MODULE
+        assert p["kv_connector"].startswith("KvtuneNixl")
+    else:
+        assert "kv_connector_module_path" not in p
+    assert (p["kv_role"], d["kv_role"]) == ("kv_producer", "kv_consumer")
+    assert p["kv_buffer_device"] == d["kv_buffer_device"] == "cpu"
+    assert p["engine_id"] == pair.prefill_engine_id != d["engine_id"] == pair.decode_engine_id
+    for cfg in (p, d):
+        extra = cfg["kv_connector_extra_config"]
+        assert extra["kv_lease_duration"] == KV_LEASE_DURATION_S
+        assert extra["num_threads"] == 2
+        if mode == "bidirectional":
+            assert extra["bidirectional_kv_xfer"] is True
+            assert extra["decoder_kv_blocks_ttl"] == 30
+            assert extra["kv_recompute_threshold"] == 8
+        else:
+            assert "bidirectional_kv_xfer" not in extra
+
+
+def test_requests_need_a_started_pair_and_valid_inputs(tmp_path):
+    pull = LocalPair("pull", workdir=tmp_path)
+    with pytest.raises(LocalPairError, match="not running"):
+        pull.complete([1, 2, 3], 4)
+    with pytest.raises(LocalPairError, match="not running"):
+        _ = pull.prefill_url
+    for prompt in ([], "", [1, -2], [1, True], [1.5]):
+        with pytest.raises(LocalPairError, match="prompt"):
+            pull.complete(prompt, 4)
+    for max_tokens in (0, -1, 2.0, True):
+        with pytest.raises(LocalPairError, match="max_tokens"):
+            pull.complete([1, 2], max_tokens)
+    with pytest.raises(LocalPairError, match="bidirectional"):
+        pull.complete([1, 2], 4, conversation="c")
+
+
+# --- /metrics --------------------------------------------------------------------------------
+EXPOSITION = textwrap.dedent(f"""\
+    # HELP {PROMPT_TOKENS_BY_SOURCE} Number of prompt tokens by source.
+    # TYPE {PROMPT_TOKENS_BY_SOURCE} counter
+    {PROMPT_TOKENS_BY_SOURCE}{{engine="0",model_name="m",source="local_compute"}} 41.0
+    {PROMPT_TOKENS_BY_SOURCE}{{engine="0",model_name="m",source="local_cache_hit"}} 128.0
+    {PROMPT_TOKENS_BY_SOURCE}{{engine="0",model_name="m",source="external_kv_transfer"}} 95.0
+    {PROMPT_TOKENS_BY_SOURCE}{{engine="1",model_name="m",source="external_kv_transfer"}} 5.0
+    vllm:prompt_tokens_total{{engine="0",model_name="m"}} 264.0
+    vllm:weird{{label="a \\"quoted\\" value"}} 1e3
+    """)
+
+
+def test_prompt_token_sources_sum_engines_per_source():
+    s = prompt_token_sources_from_text(EXPOSITION)
+    assert s == PromptTokenSources(local_compute_tokens=41, local_cache_hit_tokens=128,
+                                   external_kv_transfer_tokens=100)
+    assert s.total_tokens == 269
+    assert s - PromptTokenSources(40, 128, 0) == PromptTokenSources(1, 0, 100)
+
+
+def test_parse_prometheus_reads_labels_and_values():
+    samples = parse_prometheus(EXPOSITION)
+    assert ("vllm:prompt_tokens_total", {"engine": "0", "model_name": "m"}, 264.0) in samples
+    assert any(name == "vllm:weird" and value == 1000.0 for name, _, value in samples)
+
+
+def test_missing_counter_is_a_clear_error():
+    with pytest.raises(LocalPairError, match=PROMPT_TOKENS_BY_SOURCE):
+        prompt_token_sources_from_text("vllm:prompt_tokens_total 3\n")
+
+
+# --- processes ---------------------------------------------------------------------------------
+class StandInServer(VllmServer):
+    """A real subprocess running ``script`` instead of vLLM (same start/wait/stop machinery)."""
+
+    def __init__(self, tmp_path, script: str, name: str = "standin") -> None:
+        (port,) = free_ports(1)
+        super().__init__(name, model_dir=tmp_path, workdir=tmp_path, port=port, cpu_core=0)
+        self.script = script
+
+    def command(self) -> list[str]:
+        return [sys.executable, "-c", self.script, str(self.port)]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie waiting for its parent counts as gone
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_stop_kills_the_whole_process_group(tmp_path):
+    pids = tmp_path / "pids"
+    script = textwrap.dedent(f"""
+        import os, subprocess, sys, time, signal
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a stubborn server: needs the SIGKILL
+        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+        open({str(pids)!r}, "w").write(f"{{os.getpid()}} {{child.pid}}")
+        time.sleep(600)
+    """)
+    srv = StandInServer(tmp_path, script)
+    srv.start()
+    try:
+        deadline = time.monotonic() + 60
+        while not (pids.exists() and len(pids.read_text().split()) == 2):
+            assert time.monotonic() < deadline, srv.log_tail()
+            time.sleep(0.1)
+        parent, child = map(int, pids.read_text().split())
+        assert _alive(parent) and _alive(child)
+    finally:
+        srv.stop(grace_s=1.0)
+    deadline = time.monotonic() + 30
+    while _alive(child) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _alive(parent) and not _alive(child)
+    assert srv.exited() is None and srv.proc is None  # stopped; stop() is idempotent
+    srv.stop()
+
+
+def test_wait_healthy_fails_fast_with_the_log_when_a_server_exits(tmp_path):
+    ok = StandInServer(tmp_path, "import time; time.sleep(600)", name="sleeper")
+    bad = StandInServer(tmp_path, "print('boom: no CPU KV cache'); raise SystemExit(3)",
+                        name="crasher")
+    for s in (ok, bad):
+        s.start()
+    try:
+        with pytest.raises(LocalPairError) as err:
+            wait_healthy([ok, bad], timeout_s=120)
+    finally:
+        ok.stop()
+        bad.stop()
+    msg = str(err.value)
+    assert "crasher" in msg and "code 3" in msg and "boom: no CPU KV cache" in msg
+    assert "last 60 lines of sleeper log" in msg
+
+
+def test_wait_healthy_times_out_naming_the_server(tmp_path):
+    srv = StandInServer(tmp_path, "import time; time.sleep(600)", name="silent")
+    srv.start()
+    try:
+        with pytest.raises(LocalPairError, match="silent: /health not ready within 1 s"):
+            wait_healthy([srv], timeout_s=1)
+    finally:
+        srv.stop()
+
+
+def test_wait_healthy_returns_once_health_answers(tmp_path):
+    script = textwrap.dedent("""
+        import sys
+        from http.server import BaseHTTPRequestHandler, HTTPServer
+        class H(BaseHTTPRequestHandler):
+            def do_GET(self):
+                self.send_response(200 if self.path == "/health" else 404)
+                self.end_headers()
+            def log_message(self, *a):
+                pass
+        HTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
+    """)
+    srv = StandInServer(tmp_path, script)
+    srv.start()
+    try:
+        wait_healthy([srv], timeout_s=120)
+        assert srv.healthy()
+    finally:
+        srv.stop()
+    assert not srv.healthy()
+
+
+def test_free_ports_are_distinct():
+    ports = free_ports(4)
+    assert len(set(ports)) == 4 and all(1024 <= p < 65536 for p in ports)
+
+
+# --- HTTP client ---------------------------------------------------------------------------------
+class StandInCompletions(BaseHTTPRequestHandler):
+    """A loopback stand-in for vLLM's /v1/completions: echoes the prompt's first tokens."""
+
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        self.server.seen.append((dict(self.headers), body))
+        if body.get("max_tokens") == 99:
+            self.send_response(500)
+            self.end_headers()
+            self.wfile.write(b'{"error": "boom"}')
+            return
+        out = list(body["prompt"][: body["max_tokens"]])
+        if not body.get("stream"):
+            data = {"choices": [{"text": "x" * len(out), "token_ids": out}],
+                    "kv_transfer_params": {"remote_block_ids": [[1]]}}
+            raw = json.dumps(data).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(raw)))
+            self.end_headers()
+            self.wfile.write(raw)
+            return
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.end_headers()
+        self.wfile.write(b'data: {"choices": [{"text": "", "prompt_token_ids": [1]}]}\n\n')
+        for t in out:
+            chunk = {"choices": [{"text": "x", "token_ids": [t]}]}
+            self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
+        self.wfile.write(b"data: [DONE]\n\n")
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture()
+def standin_url():
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), StandInCompletions)
+    httpd.seen = []
+    t = threading.Thread(target=httpd.serve_forever, daemon=True)
+    t.start()
+    yield f"http://127.0.0.1:{httpd.server_address[1]}", httpd.seen
+    httpd.shutdown()
+    httpd.server_close()
+
+
+def test_client_reads_plain_and_streamed_completions(standin_url):
+    url, seen = standin_url
+    plain = client.complete(url, {"prompt": [5, 6, 7], "max_tokens": 2},
+                            headers={"X-Request-Id": "r1"}, timeout_s=30)
+    assert plain.token_ids == (5, 6) and plain.text == "xx"
+    assert plain.kv_transfer_params == {"remote_block_ids": [[1]]}
+    assert plain.first_token_ms is None and plain.elapsed_ms > 0
+    streamed = client.complete(url, {"prompt": [5, 6, 7], "max_tokens": 3, "stream": True},
+                               timeout_s=30)
+    assert streamed.token_ids == (5, 6, 7) and streamed.text == "xxx"
+    assert 0 < streamed.first_token_ms <= streamed.elapsed_ms
+    assert seen[0][0]["X-Request-Id"] == "r1"
+
+
+def test_client_reports_http_errors_with_status_and_body(standin_url):
+    url, _ = standin_url
+    with pytest.raises(client.HttpError) as err:
+        client.complete(url, {"prompt": [1], "max_tokens": 99}, timeout_s=30)
+    assert err.value.status == 500 and "boom" in err.value.body
+    with pytest.raises(client.HttpError) as err:
+        client.get("http://127.0.0.1:1", "/health", timeout_s=5)
+    assert err.value.status is None
