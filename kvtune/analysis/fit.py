@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
+from tqdm import tqdm
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -45,6 +46,9 @@ MAD_TO_SIGMA = 1.4826
 COLLINEAR_R2 = 0.999
 """Above this R^2 of descriptors on [1, bytes], the per-descriptor cost is not identifiable."""
 CI_LEVEL = 0.95
+PROGRESS_MIN_POINT_FITS = 500_000
+"""Bootstraps over more point-fits than this (e.g. 200 x 2500 transfers) show a progress bar on a
+terminal."""
 BOOT_MAX_REDRAWS = 100
 """Whole-sample bootstrap draws with too few sizes are redrawn this often, then stratified."""
 RELATIVE_FLOOR_SHARE = 0.1
@@ -255,21 +259,31 @@ def fit_floor_points(bytes: Sequence[float] | np.ndarray,  # noqa: A002 - unit n
     keys = np.column_stack([b, d])
     _, group = np.unique(keys, axis=0, return_inverse=True)
     group = group.ravel()
-    members = [np.flatnonzero(group == g) for g in range(int(group.max()) + 1)]
+    counts = np.bincount(group)
+    order = np.argsort(group, kind="stable")
+    g_sorted = group[order]
+    starts = (np.cumsum(counts) - counts)[g_sorted]
+    sizes = counts[g_sorted]
+
+    def stratified_draw() -> np.ndarray:  # resample within each (bytes, descriptors) point
+        return order[starts + (rng.random(len(order)) * sizes).astype(np.int64)]
+
     # A sweep (few sizes, many repeats) is resampled within each size so every sample keeps the
     # design; a serving trace (many sizes, one or two each) is resampled as a whole.
-    stratified = float(np.median([len(m) for m in members])) >= MIN_POINTS_PER_SIZE
+    stratified = float(np.median(counts)) >= MIN_POINTS_PER_SIZE
     boots = np.empty((max(n_boot, 0), x.shape[1]))
-    for i in range(len(boots)):
+    small = len(boots) * len(y) < PROGRESS_MIN_POINT_FITS
+    for i in tqdm(range(len(boots)), desc="kvtune fit bootstrap", unit="fit", leave=False,
+                  disable=True if small else None):
         if stratified:
-            idx = np.concatenate([m[rng.integers(0, len(m), len(m))] for m in members])
+            idx = stratified_draw()
         else:
             for _ in range(BOOT_MAX_REDRAWS):  # a sample must keep enough sizes to fit
                 idx = rng.integers(0, len(y), len(y))
                 if len(np.unique(b[idx])) >= MIN_SIZES:
                     break
             else:
-                idx = np.concatenate([m[rng.integers(0, len(m), len(m))] for m in members])
+                idx = stratified_draw()
         boots[i], _ = robust_irls(x[idx], y[idx])
     if len(boots):
         floors = boots[:, 0]

@@ -176,11 +176,6 @@ def _check_units(out: pd.DataFrame) -> None:
                     f"every span")
 
 
-def _status(s: pd.Series) -> str:
-    vals = set(s.astype("object"))
-    return "ERROR" if "ERROR" in vals else ("OK" if "OK" in vals else "UNSET")
-
-
 def transfers(spans: pd.DataFrame) -> pd.DataFrame:
     """One row per KV movement with exactly :data:`TRANSFER_COLUMNS` (see docs/contracts.md).
 
@@ -197,8 +192,12 @@ def transfers(spans: pd.DataFrame) -> pd.DataFrame:
     # Phase durations: first start -> last end of each phase's spans.
     g = ph.groupby(["_tid", "_name"], sort=False).agg(s=("_start", "min"), e=("_end", "max"))
     dur = ((g["e"] - g["s"]) / 1e6).unstack("_name")
+    st = ph["status"].astype(object)
+    ph["_err"] = (st == "ERROR").to_numpy(dtype=bool)
+    ph["_ok"] = (st == "OK").to_numpy(dtype=bool)
     bounds = ph.groupby("_tid", sort=False).agg(start_ns=("_start", "min"), end_ns=("_end", "max"),
-                                                status=("status", _status))
+                                                err=("_err", "any"), ok=("_ok", "any"))
+    bounds["status"] = np.where(bounds["err"], "ERROR", np.where(bounds["ok"], "OK", "UNSET"))
     ids = bounds.index
 
     # Attributes: prefer the initiator's rdma span, then descriptor setup, then anything.

@@ -133,24 +133,28 @@ def workload(spans: pd.DataFrame) -> Workload:
     prompts = req["prompt"].dropna().to_numpy(dtype=float)
     outputs = req["output"].dropna().to_numpy(dtype=float)
 
-    gaps, gap_tokens, final_tokens, turns = [], [], [], []
+    conv = req[req["conversation"].notna().to_numpy(dtype=bool)].copy()
+    conv["_t"] = conv["turn"].astype("Float64").fillna(-1.0).astype(float)
+    conv = conv.sort_values(["conversation", "_t", "start_ns"], kind="stable")
+    conv["_hist"] = (conv["prompt"].astype("Float64").fillna(0.0)
+                     + conv["output"].astype("Float64").fillna(0.0)).astype(float)
+    g = conv.groupby("conversation", sort=False)
+    prev_end = g["end_ns"].shift(1)
+    prev_hist = g["_hist"].shift(1)
+    later = prev_end.notna().to_numpy(dtype=bool)
+    gap_s = ((conv["start_ns"].astype(float) - prev_end.astype(float)) / 1e9).clip(lower=0.0)
+    gaps = gap_s[later].tolist()
+    gap_tokens = prev_hist[later].astype(int).tolist()
+    final_tokens = g["_hist"].last().astype(int).tolist()
+    turns = g.size().tolist()
+    n_later = int(later.sum())
     per_request: list[tuple[int, int, float]] = []
-    later = 0
-    conv = req[req["conversation"].notna()]
-    for _, c in conv.groupby("conversation", sort=False):
-        c = c.assign(_t=c["turn"].fillna(-1)).sort_values(["_t", "start_ns"], kind="stable")
-        turns.append(len(c))
-        later += max(len(c) - 1, 0)
-        rows = list(c.itertuples(index=False))
-        if not pd.isna(rows[0].prompt):
-            per_request.append((int(rows[0].prompt), 0, math.nan))
-        for prev, nxt in zip(rows, rows[1:]):
-            gaps.append(max(float(nxt.start_ns - prev.end_ns) / 1e9, 0.0))
-            gap_tokens.append(_history(prev))
-            if not pd.isna(nxt.prompt):
-                per_request.append((int(nxt.prompt), min(_history(prev), int(nxt.prompt)), gaps[-1]))
-        final_tokens.append(_history(rows[-1]))
-    for p in req.loc[req["conversation"].isna(), "prompt"].dropna():
+    prompt = conv["prompt"].astype("Float64")
+    for p, h, gs, lt in zip(prompt, prev_hist, gap_s, later):
+        if pd.isna(p):
+            continue
+        per_request.append((int(p), min(int(h), int(p)), float(gs)) if lt else (int(p), 0, math.nan))
+    for p in req.loc[req["conversation"].isna().to_numpy(dtype=bool), "prompt"].dropna():
         per_request.append((int(p), 0, math.nan))
     n_single = int(req["conversation"].isna().sum())
     turns.extend([1] * n_single)
@@ -164,15 +168,8 @@ def workload(spans: pd.DataFrame) -> Workload:
     return Workload(
         n_requests=n, qps=qps, prompt_tokens_p50=_q(prompts, 0.5),
         prompt_tokens_p90=_q(prompts, 0.9), prompt_tokens_p99=_q(prompts, 0.99),
-        output_tokens_p50=_q(outputs, 0.5), multi_turn_share=later / n if n else 0.0,
+        output_tokens_p50=_q(outputs, 0.5), multi_turn_share=n_later / n if n else 0.0,
         turns_per_conversation_mean=float(np.mean(turns)) if turns else 0.0,
         gaps_s=tuple(gaps), reuse_outcomes=outcomes, duration_s=end_s,
         n_conversations=len(turns), gap_tokens=tuple(gap_tokens), final_tokens=tuple(final_tokens),
         prompt_tokens=tuple(int(p) for p in prompts), requests=tuple(per_request), source=source)
-
-
-def _history(row) -> int:
-    """Tokens of history a turn leaves behind: its prompt plus its output (0 when unknown)."""
-    p = 0 if pd.isna(row.prompt) else int(row.prompt)
-    o = 0 if pd.isna(row.output) else int(row.output)
-    return p + o
