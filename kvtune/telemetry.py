@@ -212,11 +212,50 @@ class JsonLinesSpanExporter(SpanExporter):
                 self._file = None
 
 
+class _ExporterLogCapture(logging.Filter):
+    """Diverts log records of wrapped exporters' own loggers, in the thread exporting through a
+    :class:`GuardedSpanExporter`, into that export's list (so a dead endpoint is logged once,
+    by the guard, with the exporter's own reason)."""
+
+    _local = threading.local()
+    _installed: set[str] = set()
+    _lock = threading.Lock()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        sink = getattr(self._local, "sink", None)
+        if sink is None:
+            return True
+        sink.append(record.getMessage())
+        return False
+
+    @classmethod
+    def install_for(cls, exporter: SpanExporter) -> None:
+        names = {c.__module__ for c in type(exporter).__mro__ if c.__module__.startswith("opentelemetry")}
+        with cls._lock:
+            for name in names - cls._installed:
+                logging.getLogger(name).addFilter(_LOG_CAPTURE)
+                cls._installed.add(name)
+
+    @classmethod
+    def start(cls) -> list[str]:
+        sink: list[str] = []
+        cls._local.sink = sink
+        return sink
+
+    @classmethod
+    def stop(cls) -> None:
+        cls._local.sink = None
+
+
+_LOG_CAPTURE = _ExporterLogCapture()
+
+
 class GuardedSpanExporter(SpanExporter):
     """Wraps any exporter so that a failure never reaches the caller.
 
     An exception or a FAILURE result counts the batch's spans in ``dropped_spans``; the first
-    failure is logged as one warning, later ones only at debug level.
+    failure is logged as one warning (with the exporter's own log message, which is held back
+    while it exports), later ones only at debug level.
     """
 
     def __init__(self, exporter: SpanExporter, name: str | None = None) -> None:
@@ -225,6 +264,7 @@ class GuardedSpanExporter(SpanExporter):
         self._lock = threading.Lock()
         self._dropped = 0
         self._warned = False
+        _ExporterLogCapture.install_for(exporter)
 
     @property
     def dropped_spans(self) -> int:
@@ -237,18 +277,24 @@ class GuardedSpanExporter(SpanExporter):
             self._warned = True
         if first:
             _logger.warning("kvtune telemetry: %s dropped %d span(s): %s (further drops are "
-                            "counted, not logged)", self.name, n, why, exc_info=exc)
+                            "counted in dropped_spans, not logged)", self.name, n, why, exc_info=exc)
         else:
             _logger.debug("kvtune telemetry: %s dropped %d span(s): %s", self.name, n, why)
 
     def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
+        held = _ExporterLogCapture.start()
         try:
             result = self.exporter.export(spans)
         except Exception as exc:  # noqa: BLE001 - telemetry must never raise into the host
             self._drop(len(spans), f"{type(exc).__name__}: {exc}", exc)
             return SpanExportResult.FAILURE
+        finally:
+            _ExporterLogCapture.stop()
         if result is not SpanExportResult.SUCCESS:
-            self._drop(len(spans), f"export returned {result}")
+            self._drop(len(spans), "; ".join(held[-2:])[:500] or f"export returned {result}")
+        else:
+            for message in held:
+                _logger.debug("kvtune telemetry: %s: %s", self.name, message)
         return result
 
     def force_flush(self, timeout_millis: int = 30000) -> bool:

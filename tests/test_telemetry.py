@@ -215,11 +215,14 @@ def test_dead_otlp_endpoint_costs_dropped_spans_not_errors(protocol: str,
                                                            caplog: pytest.LogCaptureFixture) -> None:
     t = telemetry.setup("router", otlp_endpoint=f"http://127.0.0.1:{_closed_port()}",
                         otlp_protocol=protocol, otlp_timeout_s=1.0)
-    with caplog.at_level(logging.WARNING, logger="kvtune.telemetry"):
-        _emit(t)  # never raises
-        t.force_flush(timeout_millis=20_000)
-    assert t.dropped_spans == 2
-    assert len([r for r in caplog.records if "dropped" in r.getMessage()]) == 1
+    with caplog.at_level(logging.WARNING):
+        for _ in range(2):
+            _emit(t)  # never raises
+            t.force_flush(timeout_millis=20_000)
+    assert t.dropped_spans == 4
+    # logged once in all: the exporter's own per-failure errors are folded into kvtune's warning
+    (record,) = [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert record.name == "kvtune.telemetry" and "dropped" in record.getMessage()
     t.shutdown()
 
 
