@@ -311,6 +311,25 @@ class GuardedSpanExporter(SpanExporter):
             _logger.debug("kvtune telemetry: %s shutdown failed", self.name, exc_info=True)
 
 
+class DroppingBatchSpanProcessor(BatchSpanProcessor):
+    """A ``BatchSpanProcessor`` that, when its queue is full, drops the new span silently and
+    counts it in the guard's ``dropped_spans`` (the SDK's own would log a warning per span, in
+    the caller's thread)."""
+
+    def __init__(self, exporter: GuardedSpanExporter) -> None:
+        super().__init__(exporter)
+        self._guard = exporter
+
+    def on_end(self, span: ReadableSpan) -> None:
+        inner = getattr(self, "_batch_processor", None)  # SDK internals; fall back if they move
+        queue = getattr(inner, "_queue", None)
+        max_size = getattr(inner, "_max_queue_size", None)
+        if queue is not None and isinstance(max_size, int) and len(queue) >= max_size:
+            self._guard._drop(1, f"export queue full ({max_size} spans): the exporter cannot keep up")
+            return
+        super().on_end(span)
+
+
 # --- Resource -----------------------------------------------------------------------------------
 def _dist_version(*names: str) -> str | None:
     for name in names:
@@ -481,7 +500,7 @@ def setup(role: spans.Role | str, *, service_name: str | None = None,
                                            f"otlp {protocol} {endpoint}"))
     guarded.extend(GuardedSpanExporter(e) for e in exporters)
     for exporter in guarded:
-        provider.add_span_processor(BatchSpanProcessor(exporter) if batch
+        provider.add_span_processor(DroppingBatchSpanProcessor(exporter) if batch
                                     else SimpleSpanProcessor(exporter))
     if set_global:
         from opentelemetry import trace

@@ -204,6 +204,36 @@ def test_failing_exporter_counts_drops_and_warns_once(tmp_path: Path,
     assert len(load(tmp_path / "ok.jsonl")) == 6  # the healthy exporter still got everything
 
 
+class _Blocking(SpanExporter):
+    def __init__(self) -> None:
+        self.release = threading.Event()
+        self.exported = 0
+
+    def export(self, spans_: Sequence[ReadableSpan]) -> SpanExportResult:
+        self.release.wait(timeout=60)
+        self.exported += len(spans_)
+        return SpanExportResult.SUCCESS
+
+
+def test_full_queue_drops_are_counted_not_logged_per_span(monkeypatch: pytest.MonkeyPatch,
+                                                          caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setenv("OTEL_BSP_MAX_QUEUE_SIZE", "8")
+    monkeypatch.setenv("OTEL_BSP_MAX_EXPORT_BATCH_SIZE", "4")
+    slow = _Blocking()
+    t = telemetry.setup("decode", exporters=[slow])
+    with caplog.at_level(logging.WARNING):
+        for _ in range(50):
+            with t.tracer.start_as_current_span(spans.SpanName.NOTIFY.value):
+                pass
+        slow.release.set()
+        t.force_flush(timeout_millis=30_000)
+    t.shutdown()
+    assert t.dropped_spans >= 50 - 8 - 4  # at most a queue plus one batch in flight got through
+    assert slow.exported + t.dropped_spans == 50
+    (record,) = [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert "queue full" in record.getMessage()
+
+
 def _closed_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
