@@ -141,3 +141,26 @@ def test_single_host_has_no_constraints(tmp_path: Path) -> None:
     df = df[df["host"] == PREFILL]
     est = estimate_offsets(df)
     assert est.offsets_ns == {PREFILL: 0} and est.n_constraints == 0
+
+
+def test_sent_ns_sender_found_by_engine_id_without_rdma(tmp_path: Path) -> None:
+    """No rdma span: the notify's sender is the host whose kv.engine_id is its kv.remote_engine_id."""
+    offsets = {ROUTER: 0, PREFILL: 0, DECODE: -2 * MS}
+    out = tmp_path / "spans"
+    out.mkdir()
+    t0 = 1_700_000_000 * 10**9
+    trace, root = f"{7:032x}", "0007000000000000"
+    _write(out / "router.jsonl", ROUTER, spans.Role.ROUTER, [
+        _span(ROUTER, trace, root, "", spans.SpanName.REQUEST, t0, t0 + 100 * MS, offsets)])
+    _write(out / "prefill.jsonl", PREFILL, spans.Role.PREFILL, [
+        _span(PREFILL, trace, f"0007{i:012x}", root, spans.SpanName.PREFILL, t0 + 10 * MS,
+              t0 + 20 * MS, offsets, **{spans.ENGINE_ID: "prefill-engine"}) for i in (1, 2)])
+    sent_true, received_true = t0 + 30 * MS, t0 + 30 * MS + 500_000
+    _write(out / "decode.jsonl", DECODE, spans.Role.DECODE, [
+        _span(DECODE, trace, "0007000000000009", root, spans.SpanName.NOTIFY, received_true,
+              received_true, offsets, **{spans.NOTIFY_SENT_NS: sent_true,
+                                         spans.REMOTE_ENGINE_ID: "prefill-engine"})])
+    est = estimate_offsets(load(out, correct_clocks=False))
+    # received (decode clock) = true + o_d >= sent (prefill clock) => o_d - o_p <= 0.5 - 2 ms
+    assert est.bounds_ns[(DECODE, PREFILL)] == (1_500_000, None)
+    assert est.offsets_ns == {PREFILL: 0, ROUTER: 0, DECODE: -1_500_000}

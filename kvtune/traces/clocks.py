@@ -71,86 +71,91 @@ def _id_keys(ids: pd.Series) -> np.ndarray:
     return np.bitwise_or.reduce(_HEX_LUT[digits] << _SHIFTS, axis=1)
 
 
-def _parent_child_bounds(df: pd.DataFrame) -> pd.DataFrame:
-    """Rows (a, b, lo, hi) bounding o_b - o_a from parent (host a) / child (host b) pairs."""
-    host_codes, host_names = pd.factorize(df["host"].to_numpy(dtype=object))
-    has_parent = df["parent_span_id"].notna().to_numpy()
-    child_rows = np.flatnonzero(has_parent)
+def _bounds_frame(a: np.ndarray, b: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> pd.DataFrame:
+    return pd.DataFrame({"a": a.astype(np.int64), "b": b.astype(np.int64),
+                         "lo": lo.astype(np.float64), "hi": hi.astype(np.float64)})
+
+
+_EMPTY = _bounds_frame(*(np.zeros(0),) * 4)
+
+
+def _parent_child_bounds(df: pd.DataFrame, host: np.ndarray) -> pd.DataFrame:
+    """Rows (a, b, lo, hi) bounding o_b - o_a from parent (host code a) / child (host code b)
+    pairs; ``host`` holds each row's host code (-1: unknown host)."""
+    child_rows = np.flatnonzero(df["parent_span_id"].notna().to_numpy() & (host >= 0))
+    if not len(child_rows):
+        return _EMPTY
     keys = pd.DataFrame({"k": _id_keys(df["span_id"]), "p": np.arange(len(df))})
     kids = pd.DataFrame({"k": _id_keys(df["parent_span_id"].iloc[child_rows]), "c": child_rows})
     m = kids.merge(keys, on="k")
     c, p = m["c"].to_numpy(), m["p"].to_numpy()
-    cross = host_codes[c] != host_codes[p]
-    c, p = c[cross], p[cross]
-    same_trace = df["trace_id"].to_numpy(dtype=object)[c] == df["trace_id"].to_numpy(dtype=object)[p]
-    c, p = c[same_trace], p[same_trace]
-    known = (host_names[host_codes[c]] != "") & (host_names[host_codes[p]] != "")
-    c, p = c[known], p[known]
+    keep = (host[c] != host[p]) & (host[p] >= 0)
+    c, p = c[keep], p[keep]
+    trace = df["trace_id"].to_numpy(dtype=object)
+    keep = trace[c] == trace[p]
+    c, p = c[keep], p[keep]
     start = df["start_ns"].to_numpy()
     end = df["end_ns"].to_numpy()
-    return pd.DataFrame({
-        "a": host_names[host_codes[p]].astype(object), "b": host_names[host_codes[c]].astype(object),
-        "lo": (end[c] - end[p]).astype(np.float64), "hi": (start[c] - start[p]).astype(np.float64),
-    })
+    return _bounds_frame(host[p], host[c], end[c] - end[p], start[c] - start[p])
 
 
-def _notify_bounds(df: pd.DataFrame) -> pd.DataFrame:
+def _notify_bounds(df: pd.DataFrame, host: np.ndarray) -> pd.DataFrame:
     """Rows (a=initiator, b=target, lo=-inf, hi) from notify spans received after the send."""
     tid = spans.TRANSFER_ID
-    empty = pd.DataFrame({"a": [], "b": [], "lo": [], "hi": []})
-    if tid not in df.columns:
-        return empty
-    notify = df.loc[(df["name"] == spans.SpanName.NOTIFY.value) & (df["host"] != "")]
-    if notify.empty:
-        return empty
-    rdma = df.loc[(df["name"] == spans.SpanName.RDMA.value) & df[tid].notna() & (df["host"] != ""),
-                  [tid, "host", "start_ns"]]
+    names = df["name"].to_numpy(dtype=object)
+    notify_rows = np.flatnonzero((names == spans.SpanName.NOTIFY.value) & (host >= 0))
+    if not len(notify_rows) or tid not in df.columns:
+        return _EMPTY
+    rdma_rows = np.flatnonzero((names == spans.SpanName.RDMA.value) & (host >= 0))
+    rdma_rows = rdma_rows[df[tid].iloc[rdma_rows].notna().to_numpy()]
+    rdma = pd.DataFrame({"t": df[tid].iloc[rdma_rows].to_numpy(dtype=object), "r": rdma_rows})
+    notify = pd.DataFrame({"t": df[tid].iloc[notify_rows].to_numpy(dtype=object), "n": notify_rows})
+    start = df["start_ns"].to_numpy()
+    end = df["end_ns"].to_numpy()
     parts = []
-    with_tid = notify.loc[notify[tid].notna(), [tid, "host", "end_ns", spans.NOTIFY_SENT_NS]]
-    m = with_tid.merge(rdma, on=tid, suffixes=("_n", "_r"))
-    m = m[m["host_n"] != m["host_r"]]
-    if len(m):
-        parts.append(pd.DataFrame({"a": m["host_r"].to_numpy(dtype=object),
-                                   "b": m["host_n"].to_numpy(dtype=object),
-                                   "hi": (m["end_ns"] - m["start_ns"]).to_numpy(dtype=np.float64)}))
-    # kv.notify.sent_ns: the sender's clock; sender = rdma host, else engine id -> host
-    sent = notify.loc[notify[spans.NOTIFY_SENT_NS].notna()]
-    if len(sent):
-        sender = pd.Series(pd.NA, index=sent.index, dtype=object)
-        if len(rdma) and sent[tid].notna().any():
-            by_tid = rdma.drop_duplicates(tid).set_index(tid)["host"]
-            sender = sent[tid].map(by_tid).astype(object)
-        if sender.isna().any() and spans.ENGINE_ID in df.columns:
-            engines = df.loc[df[spans.ENGINE_ID].notna() & (df["host"] != ""), [spans.ENGINE_ID, "host"]]
-            by_engine = engines.drop_duplicates(spans.ENGINE_ID).set_index(spans.ENGINE_ID)["host"]
-            fallback = sent[spans.REMOTE_ENGINE_ID].map(by_engine).astype(object)
-            sender = sender.where(sender.notna(), fallback)
-        ok = sender.notna() & (sender != sent["host"])
-        if ok.any():
-            s = sent.loc[ok]
-            parts.append(pd.DataFrame({
-                "a": sender[ok].to_numpy(dtype=object), "b": s["host"].to_numpy(dtype=object),
-                "hi": (s["end_ns"].to_numpy(dtype=np.int64)
-                       - s[spans.NOTIFY_SENT_NS].to_numpy(dtype=np.int64)).astype(np.float64)}))
-    if not parts:
-        return empty
-    out = pd.concat(parts, ignore_index=True)
-    out["lo"] = -math.inf
-    return out[["a", "b", "lo", "hi"]]
+    m = notify[notify["t"].notna()].merge(rdma, on="t")
+    n, r = m["n"].to_numpy(), m["r"].to_numpy()
+    keep = host[n] != host[r]
+    n, r = n[keep], r[keep]
+    parts.append(_bounds_frame(host[r], host[n], np.full(len(n), -math.inf), end[n] - start[r]))
+    # kv.notify.sent_ns: the sender's clock; sender = the rdma span's host, else the host whose
+    # kv.engine_id is the notify's kv.remote_engine_id
+    sent_ns = df[spans.NOTIFY_SENT_NS].iloc[notify_rows]
+    has_sent = sent_ns.notna().to_numpy()
+    if has_sent.any():
+        rows = notify_rows[has_sent]
+        sender = np.full(len(rows), -1, dtype=np.int64)
+        by_tid = rdma.drop_duplicates("t").set_index("t")["r"]
+        r = pd.Series(df[tid].iloc[rows].to_numpy(dtype=object)).map(by_tid).to_numpy(dtype=np.float64)
+        found = ~np.isnan(r)
+        sender[found] = host[r[found].astype(np.int64)]
+        if (~found).any() and spans.ENGINE_ID in df.columns:
+            eng = df[spans.ENGINE_ID].to_numpy(dtype=object)
+            with_engine = np.flatnonzero(df[spans.ENGINE_ID].notna().to_numpy() & (host >= 0))
+            by_engine = pd.Series(host[with_engine], index=eng[with_engine])
+            by_engine = by_engine[~by_engine.index.duplicated()]
+            remote = pd.Series(df[spans.REMOTE_ENGINE_ID].iloc[rows[~found]].to_numpy(dtype=object))
+            sender[~found] = remote.map(by_engine).fillna(-1).to_numpy(dtype=np.int64)
+        keep = (sender >= 0) & (sender != host[rows])
+        sent_vals = sent_ns.to_numpy(dtype=np.int64, na_value=0)[has_sent]  # int64: ns exact
+        parts.append(_bounds_frame(sender[keep], host[rows[keep]], np.full(int(keep.sum()), -math.inf),
+                                   end[rows[keep]] - sent_vals[keep]))
+    return pd.concat(parts, ignore_index=True)
 
 
-def _pair_bounds(rows: pd.DataFrame) -> dict[Pair, tuple[float, float]]:
-    """Tightest (lo, hi) on o_b - o_a per unordered pair (a < b)."""
+def _pair_bounds(rows: pd.DataFrame, names: np.ndarray) -> dict[Pair, tuple[float, float]]:
+    """Tightest (lo, hi) on o_b - o_a per pair of host names (a < b)."""
     if rows.empty:
         return {}
-    a = rows["a"].astype(object).to_numpy()
-    b = rows["b"].astype(object).to_numpy()
-    flip = a > b
+    rank = np.argsort(np.argsort(names.astype(str)))  # host code -> rank of its name
+    a, b = rows["a"].to_numpy(), rows["b"].to_numpy()
+    flip = rank[a] > rank[b]
     lo = np.where(flip, -rows["hi"].to_numpy(), rows["lo"].to_numpy())
     hi = np.where(flip, -rows["lo"].to_numpy(), rows["hi"].to_numpy())
     norm = pd.DataFrame({"a": np.where(flip, b, a), "b": np.where(flip, a, b), "lo": lo, "hi": hi})
-    agg = norm.groupby(["a", "b"], sort=True).agg(lo=("lo", "max"), hi=("hi", "min"))
-    return {(str(k[0]), str(k[1])): (float(r.lo), float(r.hi)) for k, r in agg.iterrows()}
+    agg = norm.groupby(["a", "b"], sort=False).agg(lo=("lo", "max"), hi=("hi", "min"))
+    return {(str(names[k[0]]), str(names[k[1]])): (float(r.lo), float(r.hi))
+            for k, r in agg.iterrows()}
 
 
 def _feasible_range(host: str, fixed: dict[str, float], bounds: dict[Pair, tuple[float, float]],
@@ -197,10 +202,12 @@ def estimate_offsets(df: pd.DataFrame) -> ClockOffsets:
     hosts = [str(h) for h in hosts_counts.index]
     if len(hosts) <= 1:
         return ClockOffsets({h: 0 for h in hosts}, {}, 0, hosts[0] if hosts else None)
-    pc = _parent_child_bounds(df)
-    nt = _notify_bounds(df)
-    rows = pd.concat([x for x in (pc, nt) if len(x)], ignore_index=True) if len(pc) or len(nt) else pc
-    bounds = _pair_bounds(rows)
+    codes, names = pd.factorize(df["host"].to_numpy(dtype=object))
+    names = np.asarray(names, dtype=object)
+    host = np.where(names[codes] == "", -1, codes) if len(names) else codes
+    pc = _parent_child_bounds(df, host)
+    nt = _notify_bounds(df, host)
+    bounds = _pair_bounds(pd.concat([pc, nt], ignore_index=True), names)
     n = int(len(pc) + len(nt))
     reference = _host_of_router(df) or hosts[0]
     order = [reference] + [h for h in hosts if h != reference]
