@@ -24,8 +24,9 @@ _logger = logging.getLogger(__name__)
 Source = Union[str, os.PathLike, TempoSource]
 SourceArg = Union[Source, Sequence[Source]]
 
-FILE_PATTERNS = ("*.jsonl", "*.jsonl.gz", "*.json", "*.json.gz")
-"""Files a directory source contributes (searched recursively)."""
+FILE_PATTERNS = ("*.jsonl*", "*.json*")
+"""Files a directory source contributes (searched recursively): JSON lines or JSON, plain or
+gzip (detected by content), including rotated names such as ``spans.jsonl.1``."""
 _GLOB_CHARS = set("*?[")
 _GZIP_MAGIC = b"\x1f\x8b"
 
