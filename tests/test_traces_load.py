@@ -205,3 +205,11 @@ def test_fixture_copy_under_any_name_loads_the_same(tmp_path: Path) -> None:
     a, b = load(COLLECTOR), load(tmp_path / "collector.json")
     pd.testing.assert_frame_equal(a.drop(columns=["attrs", "resource"]),
                                   b.drop(columns=["attrs", "resource"]))
+
+
+def test_saved_tempo_bodies_load_as_files() -> None:
+    v1 = load(FIXTURES / "tempo_v1_trace.json")
+    assert sorted(v1["name"]) == [spans.SpanName.RDMA.value, spans.SpanName.REQUEST.value]
+    assert set(v1["trace_id"]) == {"0af7651916cd43dd8448eb211c80319c"}
+    v2 = load(FIXTURES / "tempo_v2_trace.json")
+    assert list(v2["name"]) == [spans.SpanName.NOTIFY.value] and v2[spans.TURN].iloc[0] == 2
