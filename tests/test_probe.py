@@ -13,7 +13,6 @@ from kvtune import telemetry
 from kvtune.errors import ConfigError, ProbeError
 from kvtune.geometry import KvGeometry
 from kvtune.probe import ProbeConfig, run_probe
-from kvtune.probe.channel import connect
 from kvtune.probe.initiator import InitiatorSession
 from kvtune.probe.target import spawn_local_target
 from kvtune.traces import load
@@ -32,7 +31,7 @@ def session():
     target = spawn_local_target(max_mem_mb=16)
     alive = target.alive
     try:
-        with InitiatorSession(connect(target.host, target.port), SMALL, capacity_blocks=8,
+        with InitiatorSession((target.host, target.port), SMALL, capacity_blocks=8,
                               xfer_timeout_s=20.0, target_alive=alive) as s:
             yield s, target
     finally:

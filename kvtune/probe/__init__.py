@@ -3,6 +3,6 @@ two processes, with spans in the kvtune convention and a floor/bandwidth fit of 
 from __future__ import annotations
 
 from kvtune.probe.results import OpFit, PointStats, ProbeSummary
-from kvtune.probe.sweep import ProbeConfig, default_tokens, run_probe
+from kvtune.probe.sweep import ProbeConfig, compare_fabrics, default_tokens, run_probe
 
-__all__ = ["OpFit", "PointStats", "ProbeConfig", "ProbeSummary", "default_tokens", "run_probe"]
+__all__ = ["OpFit", "PointStats", "ProbeConfig", "ProbeSummary", "compare_fabrics", "default_tokens", "run_probe"]

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import socket
 import time
 from dataclasses import dataclass, field
@@ -26,7 +25,7 @@ from kvtune.errors import ProbeError
 from kvtune.geometry import KvGeometry, parse_layout
 from kvtune.probe import tracing
 from kvtune.probe.agent import MEM_TYPE, RegisteredBuffer, agent_name, make_agent
-from kvtune.probe.channel import PROTOCOL_VERSION, Channel, ChannelClosed
+from kvtune.probe.channel import PROTOCOL_VERSION, Channel, ChannelClosed, connect
 
 logger = logging.getLogger(__name__)
 
@@ -38,9 +37,13 @@ CONTROL_TIMEOUT_S = 60.0
 """Side-channel requests (fill, digest, stats) that may touch the whole buffer."""
 PING_TIMEOUT_S = 5.0
 SPIN_NS = 50_000
-"""Poll completion without yielding the CPU for this long after posting, then yield between polls:
+"""Poll completion without pausing for this long after posting, then sleep briefly between polls:
 on a loaded host a spinning initiator otherwise starves the target's progress thread, which TCP and
-shared-memory transports need (RDMA does not) and a whole scheduler slice is added to the latency."""
+shared-memory transports need (RDMA does not), and a whole scheduler slice lands in the latency."""
+POLL_SLEEP_FRACTION = 1 / 32
+"""After the spin, each pause is this fraction of the time waited so far (adds at most ~3%)."""
+MIN_POLL_SLEEP_S = 20e-6
+MAX_POLL_SLEEP_S = 1e-3
 
 
 @dataclass
@@ -62,13 +65,13 @@ class PreparedPoint:
 
 
 class InitiatorSession:
-    """A connected initiator. Use as a context manager; :meth:`close` says bye to the target."""
+    """An initiator connected to a target (``peer``: an open side channel or ``(host, port)``).
+    Use as a context manager; :meth:`close` says bye to the target."""
 
-    def __init__(self, channel: Channel, geometry: KvGeometry, capacity_blocks: int, *,
+    def __init__(self, peer: Channel | tuple[str, int], geometry: KvGeometry, capacity_blocks: int, *,
                  backend: str = "UCX", fabric: str = "", tracer=None,
                  xfer_timeout_s: float = DEFAULT_XFER_TIMEOUT_S,
                  target_alive=None) -> None:
-        self.ch = channel
         self.geometry = geometry
         self.capacity_blocks = capacity_blocks
         self.backend = backend
@@ -80,6 +83,13 @@ class InitiatorSession:
         self.agent = make_agent(self.name, backend)
         nbytes = geometry.buffer_bytes(capacity_blocks)
         self.buf = RegisteredBuffer.allocate(self.agent, nbytes)
+        # Connect only once the agent and its memory are ready: agent creation can be slow on a
+        # loaded host and the target times out a silent connection.
+        try:
+            self.ch = peer if isinstance(peer, Channel) else connect(*peer)
+        except ProbeError:
+            self.buf.release()
+            raise
         self.transfers_posted = 0
         self._per_block: tuple[object, object] | None = None
         self._closed = False
@@ -209,7 +219,9 @@ class InitiatorSession:
                 if now > spin_until:
                     if now > deadline:
                         break
-                    os.sched_yield()  # let the target (and UCX's threads) run on a busy host
+                    # Sleep a small fraction of the time waited so far: the target and UCX's
+                    # threads get the CPU on a busy host, and a woken poller is scheduled promptly.
+                    time.sleep(min(MAX_POLL_SLEEP_S, max(MIN_POLL_SLEEP_S, (now - post) * POLL_SLEEP_FRACTION / 1e9)))
         except Exception as exc:  # NIXL raises e.g. nixlRemoteDisconnectError
             state = f"ERR ({type(exc).__name__})"
         done = time.time_ns()

@@ -1,12 +1,13 @@
 """``run_probe``: sweep KV-shaped transfers over token counts, ops and layouts; fit the floor."""
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import random
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -17,7 +18,7 @@ from kvtune.errors import AnalysisError, ConfigError, ProbeError
 from kvtune.geometry import KvGeometry, parse_layout, preset
 from kvtune.probe import tracing
 from kvtune.probe.agent import DEFAULT_BACKEND, nixl_version
-from kvtune.probe.channel import connect, parse_hostport
+from kvtune.probe.channel import parse_hostport
 from kvtune.probe.initiator import DEFAULT_XFER_TIMEOUT_S, InitiatorSession
 from kvtune.probe.results import OpFit, PointStats, ProbeSummary
 from kvtune.probe.target import spawn_local_target
@@ -126,64 +127,128 @@ def run_probe(config: ProbeConfig, *, tracer=None) -> ProbeSummary:
     (nothing is recorded when ``config.spans`` is False).
     """
     cfg = config.validated()
+    return _run(cfg, {cfg.fabric: {}}, tracer)[cfg.fabric]
+
+
+def compare_fabrics(config: ProbeConfig, fabrics: Mapping[str, Mapping[str, str]], *,
+                    tracer=None) -> dict[str, ProbeSummary]:
+    """Probe several local fabrics in one run: ``fabrics`` maps a fabric name to the environment
+    (e.g. ``{"UCX_TLS": "tcp"}``; ``""`` unsets a variable) its initiator agent and its target
+    process get. One target process per fabric, one initiator process; every round interleaves
+    the fabrics in a shuffled order, so a change of load on a shared host hits all of them alike
+    and the comparison stays fair."""
+    if config.peer is not None:
+        raise ConfigError("compare_fabrics: peer: expected None (each fabric gets a local target)")
+    if not fabrics:
+        raise ConfigError("compare_fabrics: fabrics: expected at least one name -> environment")
+    cfg = config.validated()
+    return _run(cfg, {name: dict(env) for name, env in fabrics.items()}, tracer)
+
+
+@contextlib.contextmanager
+def _environ(env: Mapping[str, str]):
+    """``os.environ`` with ``env`` applied (``""`` removes a variable) while NIXL/UCX read it
+    (UCX reads its configuration when each agent's backend is created)."""
+    saved = {k: os.environ.get(k) for k in env}
+    try:
+        for k, v in env.items():
+            if v == "":
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+@dataclass
+class _Fabric:
+    name: str
+    session: InitiatorSession
+    peer: str
+    ucx_tls: str
+    records: list[tracing.TransferRecord] = field(default_factory=list)
+    verified: int = 0
+
+
+def _run(cfg: ProbeConfig, fabrics: dict[str, dict[str, str]], tracer) -> dict[str, ProbeSummary]:
     started = time.monotonic()
     g = cfg.geometry
     capacity_blocks = g.blocks(cfg.tokens[-1])
     tracer = (tracer or tracing.get_tracer()) if cfg.spans else None
-    local = None
-    if cfg.peer is None:
-        spans_path = None
-        if cfg.spans and cfg.spans_dir is not None:
-            Path(cfg.spans_dir).mkdir(parents=True, exist_ok=True)
-            spans_path = Path(cfg.spans_dir) / TARGET_SPANS_FILE
-        local = spawn_local_target(backend=cfg.backend,
-                                   max_mem_mb=max(cfg.max_mem_mb, g.buffer_bytes(capacity_blocks) >> 20) + 1,
-                                   fabric=cfg.fabric, spans_path=spans_path)
-        host, port = local.host, local.port
-    else:
-        host, port = parse_hostport(cfg.peer)
-    peer = f"{host}:{port}"
     run_id = uuid.uuid4().hex[:8]
     rng = random.Random(cfg.seed)
-    records: list[tracing.TransferRecord] = []
-    points: list[PointStats] = []
-    verified = 0
-    warnings: list[str] = []
+    opened: list[_Fabric] = []
+    local_targets: list = []
     try:
-        alive = local.alive if local is not None else None
-        channel = connect(host, port)
-        with InitiatorSession(channel, g, capacity_blocks, backend=cfg.backend, fabric=cfg.fabric,
-                              tracer=tracer, xfer_timeout_s=cfg.xfer_timeout_s,
-                              target_alive=alive) as session:
-            total = len(cfg.ops) * len(cfg.layouts) * len(cfg.tokens) * (cfg.warmup + cfg.iters)
-            bar = tqdm(total=total, desc=f"probe {cfg.fabric}", unit="xfer", disable=not cfg.progress,
-                       leave=False)
-            try:
-                for op in cfg.ops:
-                    for layout in cfg.layouts:
-                        block = _sweep_block(session, cfg, op, layout, run_id, rng, bar)
-                        verified += block.verified
-                        tracing.emit_transfers(tracer, session.info, block.records)
-                        measured = [r for r in block.records if not r.warmup]
-                        records.extend(measured)
-                        for tokens in cfg.tokens:
-                            points.append(PointStats.from_records(
-                                [r for r in measured if r.tokens == tokens]))
-            finally:
-                bar.close()
-            expected = session.transfers_posted
-            received = session.notifications_seen(expected)
-            if received != expected:
-                warnings.append(f"the target received {received} completion notifications for "
-                                f"{expected} transfers")
-            target_nixl = str(session.target_info.get("nixl_version", ""))
+        for name, env in fabrics.items():
+            local = None
+            if cfg.peer is None:
+                spans_path = None
+                if cfg.spans and cfg.spans_dir is not None:
+                    Path(cfg.spans_dir).mkdir(parents=True, exist_ok=True)
+                    suffix = "" if len(fabrics) == 1 else f"-{_safe(name)}"
+                    spans_path = Path(cfg.spans_dir) / TARGET_SPANS_FILE.replace(".jsonl", f"{suffix}.jsonl")
+                local = spawn_local_target(
+                    backend=cfg.backend, fabric=name, spans_path=spans_path, env=env,
+                    max_mem_mb=max(cfg.max_mem_mb, g.buffer_bytes(capacity_blocks) >> 20) + 1)
+                local_targets.append(local)
+                host, port = local.host, local.port
+            else:
+                host, port = parse_hostport(cfg.peer)
+            with _environ(env):
+                ucx_tls = os.environ.get("UCX_TLS", "")
+                session = InitiatorSession((host, port), g, capacity_blocks, backend=cfg.backend,
+                                           fabric=name, tracer=tracer, xfer_timeout_s=cfg.xfer_timeout_s,
+                                           target_alive=local.alive if local is not None else None)
+            peer = f"{host}:{port}" if cfg.peer is not None else f"local ({host}:{port})"
+            opened.append(_Fabric(name, session, peer, ucx_tls))
+        per_fabric = len(cfg.ops) * len(cfg.layouts) * len(cfg.tokens) * (cfg.warmup + cfg.iters)
+        bar = tqdm(total=per_fabric * len(opened), unit="xfer", disable=not cfg.progress, leave=False,
+                   desc=f"probe {', '.join(fabrics)}")
+        try:
+            for op in cfg.ops:
+                for layout in cfg.layouts:
+                    _sweep_block(opened, cfg, op, layout, run_id, rng, bar, tracer)
+        finally:
+            bar.close()
+        results = {}
+        for f in opened:
+            expected = f.session.transfers_posted
+            received = f.session.notifications_seen(expected)
+            results[f.name] = _summary(cfg, f, expected, received, time.monotonic() - started)
+        return results
     finally:
-        if local is not None:
+        for f in opened:
+            f.session.close()
+        for local in local_targets:
             local.stop()
-    fits = tuple(_fit(op, [r for r in records if r.op == op], cfg) for op in cfg.ops)
-    head = fits[0].fit
+
+
+def _safe(name: str) -> str:
+    return "".join(c if c.isalnum() or c in "-_." else "_" for c in name) or "fabric"
+
+
+def _summary(cfg: ProbeConfig, f: _Fabric, expected: int, received: int,
+             duration_s: float) -> ProbeSummary:
+    warnings = []
+    if received != expected:
+        warnings.append(f"the target received {received} completion notifications for "
+                        f"{expected} transfers")
+    target_nixl = str(f.session.target_info.get("nixl_version", ""))
     if target_nixl and target_nixl != nixl_version():
         warnings.append(f"NIXL versions differ: initiator {nixl_version()}, target {target_nixl}")
+    measured = [r for r in f.records if not r.warmup]
+    keys = sorted(set((r.op, r.layout, r.tokens) for r in measured),
+                  key=lambda k: (cfg.ops.index(k[0]), cfg.layouts.index(k[1]), k[2]))
+    points = tuple(PointStats.from_records([r for r in measured if (r.op, r.layout, r.tokens) == k])
+                   for k in keys)
+    fits = tuple(_fit(op, [r for r in measured if r.op == op], cfg, f.name) for op in cfg.ops)
+    head = fits[0].fit
     return ProbeSummary(
         op=fits[0].op,
         floor_ms=head.floor_ms if head else None,
@@ -192,51 +257,48 @@ def run_probe(config: ProbeConfig, *, tracer=None) -> ProbeSummary:
         bandwidth_ci_gbps=head.bandwidth_ci_gbps if head else None,
         per_descriptor_us=head.per_descriptor_us if head else None,
         per_descriptor_ci_us=head.per_descriptor_ci_us if head else None,
-        fits=fits, points=tuple(points), model=g.as_dict(), fabric=cfg.fabric, backend=cfg.backend,
-        peer=peer if cfg.peer is not None else f"local ({peer})", nixl_version=nixl_version(),
-        ucx_tls=os.environ.get("UCX_TLS", ""), n_transfers=expected,
-        notifications_received=received, verified_transfers=verified,
-        duration_s=time.monotonic() - started, warnings=tuple(warnings))
+        fits=fits, points=points, model=cfg.geometry.as_dict(), fabric=f.name, backend=cfg.backend,
+        peer=f.peer, nixl_version=nixl_version(), ucx_tls=f.ucx_tls, n_transfers=expected,
+        notifications_received=received, verified_transfers=f.verified, duration_s=duration_s,
+        warnings=tuple(warnings))
 
 
-@dataclass
-class _Block:
-    records: list[tracing.TransferRecord]
-    verified: int
-
-
-def _sweep_block(session: InitiatorSession, cfg: ProbeConfig, op: str, layout: str, run_id: str,
-                 rng: random.Random, bar) -> _Block:
-    """All sizes of one (op, layout), interleaved: each round does every size once, in a shuffled
-    order, so a burst of noise on a shared host spreads over all sizes instead of sinking one."""
-    prepared = [session.prepare(t, layout) for t in cfg.tokens]
-    records: list[tracing.TransferRecord] = []
-    verified = 0
+def _sweep_block(fabrics: list[_Fabric], cfg: ProbeConfig, op: str, layout: str, run_id: str,
+                 rng: random.Random, bar, tracer) -> None:
+    """All sizes of one (op, layout) on every fabric, interleaved: each round does every size of
+    every fabric once, in a shuffled order, so a burst of noise on a shared host spreads over all
+    sizes and fabrics instead of sinking one."""
+    prepared = {f.name: [f.session.prepare(t, layout) for t in cfg.tokens] for f in fabrics}
+    start = {f.name: len(f.records) for f in fabrics}
     try:
         if cfg.verify:
-            for point in {id(p): p for p in (prepared[0], prepared[-1])}.values():
-                records.append(session.verify(op, point, seed=cfg.seed + point.tokens, run_id=run_id))
-                verified += 1
+            for f in fabrics:
+                pts = prepared[f.name]
+                for point in {id(p): p for p in (pts[0], pts[-1])}.values():
+                    f.records.append(f.session.verify(op, point, seed=cfg.seed + point.tokens,
+                                                      run_id=run_id))
+                    f.verified += 1
         for i in range(cfg.warmup + cfg.iters):
             warm = i < cfg.warmup
-            order = list(prepared)
+            order = [(f, p) for f in fabrics for p in prepared[f.name]]
             rng.shuffle(order)
-            for point in order:
-                records.append(session.transfer(op, point, iteration=i if warm else i - cfg.warmup,
-                                                warmup=warm, run_id=run_id))
+            for f, point in order:
+                f.records.append(f.session.transfer(op, point, iteration=i if warm else i - cfg.warmup,
+                                                    warmup=warm, run_id=run_id))
             bar.update(len(order))
     finally:
-        for point in prepared:
-            session.release(point)
-    return _Block(records, verified)
+        for f in fabrics:
+            for point in prepared[f.name]:
+                f.session.release(point)
+            tracing.emit_transfers(tracer, f.session.info, f.records[start[f.name]:])
 
 
-def _fit(op: str, records: Sequence[tracing.TransferRecord], cfg: ProbeConfig) -> OpFit:
+def _fit(op: str, records: Sequence[tracing.TransferRecord], cfg: ProbeConfig, fabric: str) -> OpFit:
     from kvtune.analysis import fit_floor_points
     try:
         fit = fit_floor_points([r.bytes for r in records], [r.descriptors for r in records],
                                [r.critical_ms for r in records], n_boot=cfg.n_boot, seed=cfg.seed,
-                               source=f"probe {cfg.fabric} {op}")
+                               source=f"probe {fabric} {op}")
     except AnalysisError as exc:
         return OpFit(op, None, str(exc))
     return OpFit(op, fit)

@@ -39,6 +39,8 @@ POLL_INTERVAL_S = 0.0005
 SESSION_IDLE_TIMEOUT_S = 600.0
 """A session with no command and no notification for this long is closed (initiator gone)."""
 COMMAND_TIMEOUT_S = 30.0
+HELLO_TIMEOUT_S = 120.0
+"""How long a new connection may stay silent before its hello (NIXL metadata) arrives."""
 """Time to read the rest of a frame once its first byte arrived."""
 SPAWN_READY_TIMEOUT_S = 60.0
 """How long to wait for a spawned local target to report its port."""
@@ -104,7 +106,7 @@ class ProbeTarget:
 
     def serve_session(self, ch: Channel) -> None:
         """One initiator: hello, then commands and notifications until bye/EOF/idle."""
-        hello = ch.recv(COMMAND_TIMEOUT_S)
+        hello = ch.recv(HELLO_TIMEOUT_S)
         if hello.msg["type"] != "hello" or hello.msg.get("version") != PROTOCOL_VERSION:
             ch.send({"type": "error", "message": f"expected hello version {PROTOCOL_VERSION}, "
                                                  f"got {str(hello.msg)[:200]}"})
@@ -252,16 +254,20 @@ class LocalTarget:
 def spawn_local_target(*, backend: str = DEFAULT_BACKEND, max_mem_mb: int = DEFAULT_TARGET_MAX_MEM_MB,
                        fabric: str = "", spans_path: str | Path | None = None,
                        bind: str = "127.0.0.1", env: dict[str, str] | None = None) -> LocalTarget:
-    """Start ``python -m kvtune.probe serve --port 0 --max-sessions 1`` (it inherits
-    ``os.environ``, so ``UCX_*`` settings apply to both sides) and wait until it listens."""
+    """Start ``python -m kvtune.probe serve --port 0 --max-sessions 1`` and wait until it listens.
+    The child inherits ``os.environ`` (so ``UCX_*`` settings apply to both sides) updated with
+    ``env`` (where ``""`` unsets a variable)."""
     cmd = [sys.executable, "-m", "kvtune.probe", "serve", "--bind", bind, "--port", "0",
            "--backend", backend, "--max-mem-mb", str(max_mem_mb), "--max-sessions", "1"]
     if fabric:
         cmd += ["--fabric", fabric]
     if spans_path:
         cmd += ["--spans-file", str(spans_path)]
+    child_env = {**os.environ, **(env or {})}
+    for key in [k for k, v in (env or {}).items() if v == ""]:  # "" unsets a variable
+        child_env.pop(key, None)
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True,
-                            env={**os.environ, **(env or {})})
+                            env=child_env)
     lines: queue.Queue[str | None] = queue.Queue()
 
     def pump() -> None:  # keep reading so the child never blocks on a full pipe
