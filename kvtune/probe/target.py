@@ -166,8 +166,8 @@ class ProbeTarget:
                 n += 1
                 try:
                     notif = json.loads(raw)
-                except (UnicodeDecodeError, json.JSONDecodeError):
-                    logger.warning("kvtune probe target: ignoring a non-JSON notification %r", raw[:80])
+                except (UnicodeDecodeError, json.JSONDecodeError):  # not the probe's (e.g. a bare loop)
+                    logger.debug("kvtune probe target: no span for a non-JSON notification %r", raw[:80])
                     continue
                 if isinstance(notif, dict) and "t" in notif:
                     tracing.emit_notify(self.tracer, info, notif, now)
