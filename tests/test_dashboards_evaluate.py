@@ -1,6 +1,6 @@
 """The evaluator on tiny hand-computed frames, Grafana variable interpolation, and the end-to-end
-check: every panel query of the committed dashboard returns rows on spans a kvtune producer emitted
-through the OpenTelemetry SDK and kvtune's own loader read back."""
+check: every panel query of the committed dashboard returns rows on spans kvtune's producers wrote
+(the simulator; the fabric probe) as OTLP-JSON lines, read back by kvtune's own loader."""
 from __future__ import annotations
 
 import json
@@ -21,6 +21,8 @@ from kvtune.dashboards.evaluate import SEARCH_COLUMNS, evaluate
 from kvtune.dashboards.templating import interpolate, variable_names
 from kvtune.dashboards.traceql import parse
 from kvtune.errors import ConfigError
+from kvtune.sim import Dist, WorkloadSpec, simulate
+from kvtune.sim.presets import public_h200_qwen3_32b
 
 ROOT = Path(__file__).resolve().parent.parent
 MS = 1_000_000
@@ -146,7 +148,7 @@ def test_interpolated_regex_escapes_survive_traceql_raw_strings(small):
     assert set(r["span.kv.mode"]) == {"pull", "push"}
 
 
-# --- End to end: producer -> OTel SDK -> JSON lines -> kvtune.traces.load -> dashboard queries ---
+# --- End to end: producers -> OTLP-JSON lines -> kvtune.traces.load -> dashboard queries --------
 
 
 def _replay_through_sdk(df: pd.DataFrame, out_dir: Path) -> None:
@@ -170,24 +172,35 @@ def _replay_through_sdk(df: pd.DataFrame, out_dir: Path) -> None:
             tel.provider.shutdown()
 
 
+SIM_WORKLOAD = WorkloadSpec(qps=2.0, duration_s=4.0, turns=Dist.fixed(2), think_time_s=Dist.fixed(1.0))
+"""A few two-turn conversations: enough for every span kind of every mode, fast to simulate."""
+
+
 @pytest.fixture(scope="module")
 def produced_dir(tmp_path_factory) -> Path:
-    """OTLP-JSON lines of every mode (push and pull phases, bidirectional reuse/retention) and a
-    probe sweep, as kvtune.telemetry writes them."""
+    """OTLP-JSON lines from kvtune's producers: the simulator in push, pull and bidirectional mode
+    (``SimResult.write_spans``), and a probe sweep (the synthetic one, replayed through the OTel SDK
+    and ``kvtune.telemetry``, so this test needs no NIXL; the real probe runs in the nixl test)."""
     out = tmp_path_factory.mktemp("spans")
-    work = synthetic.SyntheticWorkload(n_conversations=3, turns=(2,))
-    parts = [synthetic.serving_spans(work, mode=m, seed=i) for i, m in enumerate(
-        (sc.Mode.PUSH, sc.Mode.PULL, sc.Mode.BIDIRECTIONAL))]
-    parts.append(synthetic.probe_spans(seed=3).head(60))
-    _replay_through_sdk(pd.concat(parts, ignore_index=True), out)
-    (out / "count").write_text(str(sum(len(p) for p in parts)))
+    count = 0
+    for i, mode in enumerate((sc.Mode.PUSH, sc.Mode.PULL, sc.Mode.BIDIRECTIONAL)):
+        config = public_h200_qwen3_32b(mode=mode.value).with_(seed=i + 1, workload=SIM_WORKLOAD)
+        count += simulate(config).write_spans(out / f"sim-{mode.value}.jsonl")
+    probe = synthetic.probe_spans(seed=3).head(60)
+    _replay_through_sdk(probe, out)
+    _count_file(out).write_text(str(count + len(probe)))
     return out
+
+
+def _count_file(spans_dir: Path) -> Path:
+    return spans_dir.parent / f"{spans_dir.name}.count"
 
 
 @pytest.fixture(scope="module")
 def produced(produced_dir) -> pd.DataFrame:
+    # one simulated clock for every host: nothing to correct
     loaded = traces.load(str(produced_dir), correct_clocks=False)
-    assert len(loaded) == int((produced_dir / "count").read_text())
+    assert len(loaded) == int(_count_file(produced_dir).read_text())
     return loaded
 
 
