@@ -34,6 +34,8 @@ from kvtune.sim.config import SimConfig
 PUSH, PULL, BIDI = spans.Mode.PUSH.value, spans.Mode.PULL.value, spans.Mode.BIDIRECTIONAL.value
 _NAN = math.nan
 _PROGRESS_EVERY_EVENTS = 20000  # progress bar refresh period, in events
+MAX_RUN_STEPS = 128
+"""Most decode steps simulated as one event (a wake-up cuts the run at the next boundary)."""
 
 
 class Req:
@@ -118,7 +120,7 @@ class _Prefill:
 class _Decode:
     __slots__ = ("idx", "running", "step_no", "ctx", "inbox", "ready", "busy", "link_free",
                  "first_pending", "assigned", "mem_running", "retained", "mem_retained", "steps",
-                 "stall_ms", "reg_wait")
+                 "stall_ms", "reg_wait", "run_t0", "run_c0", "run_slope", "run_k", "run_token")
 
     def __init__(self, idx: int) -> None:
         self.idx = idx
@@ -137,6 +139,9 @@ class _Decode:
         self.steps = 0
         self.stall_ms = 0.0
         self.reg_wait: deque[Req] = deque()  # push: registrations waiting for KV memory
+        self.run_t0 = self.run_c0 = self.run_slope = 0.0  # the current run of decode steps
+        self.run_k = 0
+        self.run_token = 0
 
 
 class Simulation:
@@ -425,6 +430,15 @@ class Simulation:
         if not d.busy:
             d.busy = True
             self.at(self.now, self.decode_tick, d)
+        elif d.run_k > 1:  # cut a run of steps at the next step boundary
+            now, t0, c0, slope = self.now, d.run_t0, d.run_c0, d.run_slope
+            j = 1
+            while j < d.run_k and t0 + j * c0 + slope * j * (j - 1) / 2 < now:
+                j += 1
+            if j < d.run_k:
+                d.run_k = j
+                d.run_token += 1
+                self.at(t0 + j * c0 + slope * j * (j - 1) / 2, self.decode_step_end, (d, d.run_token))
 
     def decode_tick(self, d: _Decode) -> None:
         t = self.now
@@ -455,18 +469,31 @@ class Simulation:
                 d.first_pending.append(req)
             d.ready.clear()
         if d.running:
-            step = self.dm.step_ms(len(d.running), d.ctx)
-            self.at(t_adm + step, self.decode_step_end, d)
+            # Run k steps as one event while nothing changes: until the next request finishes,
+            # one step only when a first token is due; wake() cuts the run if something arrives.
+            # Step j lasts c0 + j*slope (the context grows by one token per sequence per step).
+            batch = len(d.running)
+            c0 = self.dm.step_ms(batch, d.ctx)
+            k = 1 if d.first_pending else min(d.running[0][0] - d.step_no, MAX_RUN_STEPS)
+            slope = batch * self.dm.step_per_kilotoken_us / 1e6
+            d.run_t0, d.run_c0, d.run_slope, d.run_k = t_adm, c0, slope, k
+            d.run_token += 1
+            self.at(t_adm + k * c0 + slope * k * (k - 1) / 2, self.decode_step_end, (d, d.run_token))
         elif stall > 0:
             self.at(t_adm, self.decode_tick, d)
         else:
             d.busy = False
 
-    def decode_step_end(self, d: _Decode) -> None:
+    def decode_step_end(self, arg: tuple[_Decode, int]) -> None:
+        d, token = arg
+        if token != d.run_token:
+            return  # a run cut short by wake(): its later end was rescheduled
         t = self.now
-        d.step_no += 1
-        d.steps += 1
-        d.ctx += len(d.running)
+        k = d.run_k
+        d.run_k = 0
+        d.step_no += k
+        d.steps += k
+        d.ctx += len(d.running) * k
         if d.first_pending:
             for req in d.first_pending:
                 req.first_token = t

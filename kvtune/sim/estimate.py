@@ -23,7 +23,9 @@ def expected_ttft(workload_or_config: Any, floor_fit: Any = None, prefill_cost: 
                   modes: tuple[str, ...] | list[str] = MODES, base: SimConfig | None = None,
                   max_requests: int = DEFAULT_MAX_REQUESTS, seed: int = 0,
                   prefix_caching: bool | None = None, ttl_s: float | None = None,
-                  threshold_tokens: int | None = None, **config_changes: Any) -> dict[str, TtftEstimate]:
+                  threshold_tokens: int | None = None, bytes_per_token: float | None = None,
+                  descriptors_per_token: float | None = None,
+                  **config_changes: Any) -> dict[str, TtftEstimate]:
     """TTFT per mode for one traffic, from one deployment model.
 
     ``workload_or_config``: a ``kvtune.analysis.Workload`` summary (or any object with its fields),
@@ -32,7 +34,8 @@ def expected_ttft(workload_or_config: Any, floor_fit: Any = None, prefill_cost: 
     calibrate the fabric and the prefill (``SimConfig.from_fit``); whatever they leave open comes
     from ``base`` (default: the public H200 preset). The traffic is cut to about ``max_requests``
     requests so the answer stays quick. ``prefix_caching``, ``ttl_s``, ``threshold_tokens`` override
-    the reuse settings; other keyword arguments are :meth:`SimConfig.with_` changes.
+    the reuse settings; ``bytes_per_token`` / ``descriptors_per_token`` the model's KV geometry
+    (per rank, as in ``kv.bytes``); other keyword arguments are :meth:`SimConfig.with_` changes.
     """
     for m in modes:
         if m not in MODES:
@@ -51,6 +54,15 @@ def expected_ttft(workload_or_config: Any, floor_fit: Any = None, prefill_cost: 
         reuse["threshold_tokens"] = int(threshold_tokens)
     if reuse:
         config_changes["reuse"] = reuse
+    geometry: dict[str, Any] = {}
+    if bytes_per_token is not None:
+        geometry["kv_bytes_per_token"] = max(1, int(round(bytes_per_token)))
+    if descriptors_per_token is not None:
+        geometry["descriptors_per_block"] = max(1, int(round(descriptors_per_token * cfg.transfer.block_tokens)))
+    if geometry:
+        config_changes["transfer"] = geometry
+        if cfg.reverse_transfer is not None:
+            config_changes["reverse_transfer"] = geometry
     cfg = cfg.with_(seed=seed, **config_changes)
     return {m: simulate(replace(cfg, mode=m)).ttft() for m in modes}
 

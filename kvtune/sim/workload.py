@@ -153,9 +153,11 @@ def spec_from_workload(workload: Any, *, duration_s: float | None = None) -> Wor
     with ``qps, prompt_tokens_p50, prompt_tokens_p90, output_tokens_p50,
     turns_per_conversation_mean, gaps_s, duration_s``).
 
-    Assumptions: first-turn prompts are log-normal through p50 and p90; outputs are fixed at p50;
-    turns per conversation are geometric with the measured mean; a later turn adds
-    ``NEW_TOKENS_SHARE`` of the median prompt; think times are drawn from the measured gaps.
+    First-turn prompts and the tokens later turns add are drawn from ``workload.requests``
+    ((prompt, history, gap) per request) when present. Otherwise: first-turn prompts are
+    log-normal through p50 and p90 and a later turn adds ``NEW_TOKENS_SHARE`` of the median
+    prompt. Outputs are fixed at p50; turns per conversation are geometric with the measured mean;
+    think times are drawn from the measured gaps.
     """
     def num(name: str, default: float | None = None) -> float:
         v = getattr(workload, name, default)
@@ -185,6 +187,15 @@ def spec_from_workload(workload: Any, *, duration_s: float | None = None) -> Wor
                  and math.isfinite(float(g)) and float(g) >= 0)
     think = Dist("empirical", gaps) if gaps else Dist("exponential", (DEFAULT_THINK_TIME_S,))
     new = Dist.fixed(max(MIN_NEW_TOKENS, round(p50 * NEW_TOKENS_SHARE)))
+    # per-request (prompt, history, gap) when the summary has them: first-turn prompts and the
+    # tokens later turns add, as measured
+    reqs = [r for r in (getattr(workload, "requests", None) or ()) if len(r) >= 2 and r[0] and r[0] > 0]
+    firsts = tuple(float(r[0]) for r in reqs if not r[1])
+    added = tuple(float(max(1, r[0] - r[1])) for r in reqs if r[1] and r[1] > 0)
+    if firsts:
+        prompt = Dist("empirical", firsts)
+    if added:
+        new = Dist("empirical", added)
     dur = duration_s if duration_s is not None else max(MIN_SPEC_DURATION_S, num("duration_s", 60.0))
     return WorkloadSpec(qps=qps, duration_s=dur, prompt_tokens=prompt, output_tokens=out, turns=turns,
                         new_tokens=new, think_time_s=think)
