@@ -6,6 +6,13 @@ belong to. Spans made here: ``kv.handshake``, ``kv.descriptor_setup``, ``kv.rdma
 ``kv.notify`` (target), ``kv.registration`` (push decode), ``kv.rendezvous`` (push prefill),
 ``kv.reuse_decision`` for pulls (bidirectional prefill: pull or expired) and ``kv.retention``
 (bidirectional decode).
+
+Retention outcomes: ``reused`` when the conversation's next turn claimed the retained blocks within
+the TTL, i.e. the prefill's notification arrived. vLLM sends the same notification whether the
+prefill read the blocks or only tells the decode to free them (a local prefix-cache hit, or a
+recompute under ``kv_recompute_threshold``), so the decode cannot tell these apart: the prefill's
+``kv.reuse_decision`` with the same ``kv.transfer_id`` says which. ``expired``: the TTL ran out
+first. ``released``: still retained at shutdown.
 """
 from __future__ import annotations
 
