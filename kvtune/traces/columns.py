@@ -95,6 +95,7 @@ class SpanRows:
         self.conv: dict[str, tuple[array, list[Any]]] = {
             k: (array("q"), []) for k in spans.ATTRIBUTE_TYPES}
         """Per convention attribute: rows where it is set, and its values there."""
+        self._key_info: dict[str, tuple[str, Any, Any]] = {}
         self.sources: list[str] = []
         self._block_rows: list[int] = []  # first row of each decoded document
         self._block_where: list[tuple[int, int | None]] = []  # (source index, line)
@@ -124,7 +125,8 @@ class SpanRows:
         self._block_where.append((source_index, line))
         intern = sys.intern
         any_value = otlp_json.any_value
-        conv = {k: (rows.append, values.append) for k, (rows, values) in self.conv.items()}
+        key_info = self._key_info
+        known = key_info.get
         row = len(self.trace_id)
         attrs_append = self.attrs.append
         for rs in resource_spans:
@@ -153,31 +155,41 @@ class SpanRows:
                 for s in sl:
                     d: dict[str, Any] = {}
                     for kv in s.attributes:
-                        key = intern(kv.key)
+                        info = known(kv.key)
+                        if info is None:
+                            info = self._new_key(kv.key)
+                        key, add_row, add_value = info
                         v = kv.value
                         if v is None:
-                            val = None
+                            d[key] = None
+                            continue
+                        val = v.string_value
+                        if val is not None:
+                            if len(val) <= SHARED_STR_MAX_CHARS:
+                                val = intern(val)
                         else:
-                            val = v.string_value
-                            if val is not None:
-                                if len(val) <= SHARED_STR_MAX_CHARS:
-                                    val = intern(val)
-                            else:
-                                val = v.int_value
+                            val = v.int_value
+                            if val is None:
+                                val = v.double_value
                                 if val is None:
-                                    val = v.double_value
+                                    val = v.bool_value
                                     if val is None:
-                                        val = v.bool_value
-                                        if val is None:
-                                            val = any_value(v)
+                                        val = any_value(v)
                         d[key] = val
-                        c = conv.get(key)
-                        if c is not None and val is not None:
-                            add_row, add_value = c
+                        if add_row is not None and val is not None:
                             add_row(row)
                             add_value(val)
                     attrs_append(d)
                     row += 1
+
+    def _new_key(self, key: str) -> tuple[str, Any, Any]:
+        """(shared key, row adder, value adder) for an attribute key seen for the first time;
+        the adders are None for keys outside the convention."""
+        key = sys.intern(key)
+        conv = self.conv.get(key)
+        info = (key, conv[0].append, conv[1].append) if conv is not None else (key, None, None)
+        self._key_info[key] = info
+        return info
 
     # --- building the frame ------------------------------------------------------------------
     def frame(self, *, skip_bad: bool = False) -> pd.DataFrame:
