@@ -207,6 +207,7 @@ class SpanRows:
             bad.setdefault(row, f"field {field!r}: expected {expected}, got {got!r}"[:300])
 
         # Each list is released as soon as its column is built, to keep the peak memory low.
+        self._key_info = {}  # holds the attribute lists' append methods (and so the lists)
         data: dict[str, Any] = {}
         data["trace_id"] = pd.array(_normalize_ids(self.trace_id, TRACE_ID_BYTES, "traceId", fail,
                                                    allow_empty=False), dtype=STR_DTYPE)
