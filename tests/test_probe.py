@@ -155,7 +155,7 @@ def test_run_probe_sweeps_fits_and_emits_spans_on_both_sides(tmp_path):
     assert len(notify) == summary.n_transfers
     trace_of = {s.attributes[S.TRANSFER_ID]: format(s.context.trace_id, "032x") for s in rdma}
     assert set(notify[S.TRANSFER_ID]) == set(trace_of)
-    for tid, trace_id in zip(notify[S.TRANSFER_ID], notify["trace_id"]):
+    for tid, trace_id in zip(notify[S.TRANSFER_ID], notify["trace_id"], strict=True):
         assert trace_of[tid] == trace_id
     assert (notify[S.NOTIFY_SENT_NS] > 0).all()
     assert (notify[S.MODE] == S.Mode.PROBE.value).all()

@@ -66,7 +66,7 @@ def test_probe_bandwidth_matches_tbf_rate_across_namespaces(shaped_pair, tmp_pat
     serve = subprocess.Popen(
         ["ip", "netns", "exec", ns_b, "env", "UCX_TLS=tcp", f"UCX_NET_DEVICES={dev_b}",
          PY, "-m", "kvtune.probe", "serve", "--bind", ip_b, "--port", "0", "--max-sessions", "1"],
-        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        stdout=subprocess.PIPE, stderr=open(tmp_path / "serve.log", "w"), text=True)
     try:
         port = None
         deadline = time.monotonic() + 60
@@ -84,7 +84,7 @@ def test_probe_bandwidth_matches_tbf_rate_across_namespaces(shaped_pair, tmp_pat
              "--tokens", "16,32,48", "--layout", "merged", "--iters", "3", "--warmup", "1",
              "--no-progress", "--fabric", "veth-tbf", "--json", str(out)],
             capture_output=True, text=True, timeout=180)
-        assert run.returncode == 0, run.stderr[-2000:]
+        assert run.returncode == 0, (run.stderr[-2000:], (tmp_path / "serve.log").read_text()[-2000:])
     finally:
         serve.kill()
         serve.wait(10)

@@ -14,8 +14,14 @@ from kvtune.errors import ProbeError
 from kvtune.geometry import preset
 from kvtune.probe import cli as probe_cli
 from kvtune.probe import sweep
-from kvtune.probe.channel import (HEADER, MAX_JSON_BYTES, Channel, ChannelClosed, connect,
-                                  parse_hostport)
+from kvtune.probe.channel import (
+    HEADER,
+    MAX_JSON_BYTES,
+    Channel,
+    ChannelClosed,
+    connect,
+    parse_hostport,
+)
 from kvtune.probe.check import BackendStatus, ReadinessReport, parse_ucx_log
 from kvtune.probe.results import PointStats, ProbeSummary
 from kvtune.probe.tracing import TransferRecord, transfer_context

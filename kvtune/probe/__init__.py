@@ -5,4 +5,5 @@ from __future__ import annotations
 from kvtune.probe.results import OpFit, PointStats, ProbeSummary
 from kvtune.probe.sweep import ProbeConfig, compare_fabrics, default_tokens, run_probe
 
-__all__ = ["OpFit", "PointStats", "ProbeConfig", "ProbeSummary", "compare_fabrics", "default_tokens", "run_probe"]
+__all__ = ["OpFit", "PointStats", "ProbeConfig", "ProbeSummary", "compare_fabrics", "default_tokens",
+           "run_probe"]

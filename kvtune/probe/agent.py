@@ -105,5 +105,6 @@ def pattern(seed: int, offset: int, length: int) -> np.ndarray:
     """Deterministic bytes for ``[offset, offset+length)`` under ``seed`` (cheap: an affine byte
     sequence, different for every 8-byte word position and seed)."""
     idx = np.arange(offset, offset + length, dtype=np.uint64)
-    mixed = (idx * np.uint64(0x9E3779B97F4A7C15) + np.uint64((seed * 0x632BE59BD9B4E019 + 1) % (1 << 64))) >> np.uint64(29)
+    salt = np.uint64((seed * 0x632BE59BD9B4E019 + 1) % (1 << 64))
+    mixed = (idx * np.uint64(0x9E3779B97F4A7C15) + salt) >> np.uint64(29)
     return mixed.astype(np.uint8)

@@ -76,7 +76,12 @@ class Channel:
     def request(self, msg: dict, blob: bytes = b"", *, timeout_s: float) -> Frame:
         """Send ``msg`` and wait for the reply; a reply of type ``error`` raises ``ProbeError``."""
         self.send(msg, blob)
-        reply = self.recv(timeout_s)
+        try:
+            reply = self.recv(timeout_s)
+        except ChannelClosed as exc:
+            raise ChannelClosed(f"{exc} (waiting for the reply to {msg['type']!r})") from None
+        except ProbeError as exc:
+            raise ProbeError(f"{exc} (waiting for the reply to {msg['type']!r})") from None
         if reply.msg["type"] == "error":
             raise ProbeError(f"probe target {self.peer}: {reply.msg.get('message', 'error')} "
                              f"(while handling {msg['type']!r})")

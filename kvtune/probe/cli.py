@@ -24,7 +24,8 @@ def register(subparsers) -> None:
     r.add_argument("--peer", metavar="HOST:PORT", help="a `kvtune probe serve` target "
                    "(default: start one in a child process on this host)")
     model = r.add_mutually_exclusive_group()
-    model.add_argument("--model", default=None, choices=sorted(PRESETS), help="model preset (default qwen3-32b)")
+    model.add_argument("--model", default=None, choices=sorted(PRESETS),
+                       help="model preset (default qwen3-32b)")
     model.add_argument("--config", type=Path, metavar="CONFIG_JSON", help="a local Hugging Face config.json")
     r.add_argument("--tp", type=int, default=1, help="tensor-parallel size (bytes are per rank)")
     r.add_argument("--block-size", type=int, default=16, help="KV block size in tokens (vLLM's)")

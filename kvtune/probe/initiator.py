@@ -31,11 +31,12 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_XFER_TIMEOUT_S = 30.0
 """A transfer not complete after this long is declared failed (peer dead or fabric stuck)."""
-HANDSHAKE_TIMEOUT_S = 60.0
-"""How long the target may take to allocate, register and answer hello."""
-CONTROL_TIMEOUT_S = 60.0
+HANDSHAKE_TIMEOUT_S = 180.0
+"""How long the target may take to allocate, register and answer hello (generous: a crowded host
+can slow NIXL/UCX set-up by an order of magnitude; a dead target is seen at once, by EOF)."""
+CONTROL_TIMEOUT_S = 180.0
 """Side-channel requests (fill, digest, stats) that may touch the whole buffer."""
-PING_TIMEOUT_S = 5.0
+PING_TIMEOUT_S = 10.0
 SPIN_NS = 50_000
 """Poll completion without pausing for this long after posting, then sleep briefly between polls:
 on a loaded host a spinning initiator otherwise starves the target's progress thread, which TCP and
@@ -197,7 +198,8 @@ class InitiatorSession:
                  run_id: str) -> tracing.TransferRecord:
         """One transfer: indices -> prepped handle -> post -> poll to completion -> telemetry."""
         op = S.NixlOp(op).value
-        base = f"probe-{run_id}-{op.lower()}-{point.layout.value}-{point.tokens}-{'w' if warmup else ''}{iteration}"
+        base = (f"probe-{run_id}-{op.lower()}-{point.layout.value}-{point.tokens}-"
+                f"{'w' if warmup else ''}{iteration}")
         tid = S.transfer_id(base, S.Direction.FORWARD)
         notif = json.dumps({"t": tid, "o": op, "k": point.tokens, "b": point.bytes,
                             "d": point.descriptors, "i": iteration, "w": int(warmup),
@@ -221,7 +223,8 @@ class InitiatorSession:
                         break
                     # Sleep a small fraction of the time waited so far: the target and UCX's
                     # threads get the CPU on a busy host, and a woken poller is scheduled promptly.
-                    time.sleep(min(MAX_POLL_SLEEP_S, max(MIN_POLL_SLEEP_S, (now - post) * POLL_SLEEP_FRACTION / 1e9)))
+                    pause_s = (now - post) * POLL_SLEEP_FRACTION / 1e9
+                    time.sleep(min(MAX_POLL_SLEEP_S, max(MIN_POLL_SLEEP_S, pause_s)))
         except Exception as exc:  # NIXL raises e.g. nixlRemoteDisconnectError
             state = f"ERR ({type(exc).__name__})"
         done = time.time_ns()

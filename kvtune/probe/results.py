@@ -124,7 +124,8 @@ class ProbeSummary:
                 lines.append(f"{f.op}: no fit: {f.error}")
                 continue
             fit = f.fit
-            desc = ("not identifiable (descriptors constant or in step with bytes)" if fit.per_descriptor_us is None else
+            desc = ("not identifiable (descriptors constant or in step with bytes)"
+                    if fit.per_descriptor_us is None else
                     f"{fit.per_descriptor_us:.3f} us [{fit.per_descriptor_ci_us[0]:.3f}, "
                     f"{fit.per_descriptor_ci_us[1]:.3f}]")
             lines.append(f"{f.op}: floor {fit.floor_ms:.4f} ms [{fit.floor_ci_ms[0]:.4f}, "

@@ -41,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     from kvtune.geometry import preset
     from kvtune.probe.sweep import ProbeConfig, run_probe
     try:
-        summary = run_probe(ProbeConfig(geometry=preset("tiny"), tokens=(16, 32, 64), iters=1, warmup=1,
+        summary = run_probe(ProbeConfig(geometry=preset("tiny"), tokens=(16,), iters=1, warmup=0,
                                         backend=args.backend, spans=False, progress=False,
                                         max_mem_mb=1, xfer_timeout_s=20.0, n_boot=10))
     except KvtuneError as exc:

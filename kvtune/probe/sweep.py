@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import random
@@ -14,7 +15,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from kvtune import spans as S
-from kvtune.errors import AnalysisError, ConfigError, ProbeError
+from kvtune.errors import AnalysisError, ConfigError
 from kvtune.geometry import KvGeometry, parse_layout, preset
 from kvtune.probe import tracing
 from kvtune.probe.agent import DEFAULT_BACKEND, nixl_version
@@ -33,7 +34,8 @@ TARGET_SPANS_FILE = "probe-target.jsonl"
 INITIATOR_SPANS_FILE = "probe-initiator.jsonl"
 
 
-def default_tokens(min_tokens: int = DEFAULT_MIN_TOKENS, max_tokens: int = DEFAULT_MAX_TOKENS) -> tuple[int, ...]:
+def default_tokens(min_tokens: int = DEFAULT_MIN_TOKENS,
+                   max_tokens: int = DEFAULT_MAX_TOKENS) -> tuple[int, ...]:
     """Token counts doubling from ``min_tokens`` to ``max_tokens``."""
     out, t = [], min_tokens
     while t <= max_tokens:
@@ -106,12 +108,11 @@ class ProbeConfig:
                 if not isinstance(t, int) or t < 1:
                     raise ConfigError(f"tokens: expected integers >= 1, got {t!r}")
             if g.transfer_bytes(tokens[-1]) > cap:
-                raise ConfigError(f"tokens: {tokens[-1]} tokens need {g.transfer_bytes(tokens[-1]) / 2**20:.1f} "
+                need_mib = g.transfer_bytes(tokens[-1]) / 2**20
+                raise ConfigError(f"tokens: {tokens[-1]} tokens need {need_mib:.1f} "
                                   f"MiB per side, above max_mem_mb={self.max_mem_mb}")
         fabric = self.fabric or default_fabric_name(self.backend, self.peer)
-        return ProbeConfig(g, tokens, ops, layouts, self.iters, self.warmup, self.peer, self.backend,
-                           fabric, self.max_mem_mb, self.spans, self.spans_dir, self.verify,
-                           self.xfer_timeout_s, self.n_boot, self.seed, self.progress)
+        return dataclasses.replace(self, tokens=tokens, ops=ops, layouts=layouts, fabric=fabric)
 
 
 def default_fabric_name(backend: str, peer: str | None) -> str:

@@ -24,8 +24,13 @@ import numpy as np
 
 from kvtune.errors import ProbeError
 from kvtune.probe import tracing
-from kvtune.probe.agent import (DEFAULT_BACKEND, RegisteredBuffer, agent_name, make_agent,
-                                nixl_version)
+from kvtune.probe.agent import (
+    DEFAULT_BACKEND,
+    RegisteredBuffer,
+    agent_name,
+    make_agent,
+    nixl_version,
+)
 from kvtune.probe.channel import PROTOCOL_VERSION, Channel, ChannelClosed
 
 logger = logging.getLogger(__name__)
@@ -42,7 +47,7 @@ COMMAND_TIMEOUT_S = 30.0
 HELLO_TIMEOUT_S = 120.0
 """How long a new connection may stay silent before its hello (NIXL metadata) arrives."""
 """Time to read the rest of a frame once its first byte arrived."""
-SPAWN_READY_TIMEOUT_S = 60.0
+SPAWN_READY_TIMEOUT_S = 180.0
 """How long to wait for a spawned local target to report its port."""
 
 
