@@ -313,3 +313,46 @@ def test_ttft_estimate_handles_empty_selection():
         {"arrival_s": [0.0], "prompt_tokens": [10], "output_tokens": [1]})))
     est = res.ttft(min_turn=2)
     assert est.n_requests == 0 and math.isnan(est.p50_ms)
+
+
+def test_replay_from_simulated_spans_reproduces_the_traffic(tmp_path):
+    traces = pytest.importorskip("kvtune.traces")
+    from kvtune.sim.workload import load_replay, requests_from_spans
+    first = simulate(two_turns(1.0).with_(workload={"duration_s": 10.0, "users": 2}))
+    first.write_spans(tmp_path / "a.jsonl")
+    frame = requests_from_spans(traces.load(tmp_path / "a.jsonl"))
+    assert len(frame) == len(first.requests)
+    assert sorted(frame["prompt_tokens"]) == sorted(first.requests["prompt_tokens"])
+    assert frame["arrival_s"].min() == 0.0
+    again = simulate(tiny("bidirectional", requests=load_replay(str(tmp_path / "a.jsonl"))))
+    df = again.requests
+    assert list(df["turn"].value_counts().sort_index()) == list(
+        first.requests["turn"].value_counts().sort_index())
+    assert (df.loc[df["turn"] == 2, "reuse_outcome"] == S.ReuseOutcome.PULL.value).all()
+    with pytest.raises(SimError, match="kv.request"):
+        requests_from_spans(traces.load(tmp_path / "a.jsonl").query("name == 'kv.prefill'"))
+
+
+def test_xpyd_spreads_requests_over_instances():
+    wl = WorkloadSpec(qps=20.0, duration_s=5.0, prompt_tokens=Dist.fixed(2000),
+                      output_tokens=Dist.fixed(50), turns=Dist.fixed(1))
+    one = simulate(tiny("push", workload=wl))
+    two = simulate(tiny("push", workload=wl, prefill_instances=2, decode_instances=3))
+    assert two.config.topology == "2P3D"
+    assert set(two.requests["prefill_instance"]) == {0, 1}
+    assert set(two.requests["decode_instance"]) == {0, 1, 2}
+    # prefill is the bottleneck here (20 x 25 ms per second): a second instance removes the queue
+    assert two.requests["queue_ms"].mean() < one.requests["queue_ms"].mean()
+    assert two.ttft().p50_ms < one.ttft().p50_ms
+
+
+def test_cli_replays_span_files(tmp_path, capsys):
+    from kvtune.cli import main
+    src = simulate(two_turns(1.0).with_(workload={"duration_s": 6.0, "users": 2}))
+    src.write_spans(tmp_path / "in.jsonl")
+    rc = main(["sim", "--mode", "bidirectional", "--replay", str(tmp_path / "in.jsonl"),
+               "--out", str(tmp_path / "out"), "--no-spans"])
+    assert rc == 0
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert summary["requests"] == len(src.requests)
+    assert not (tmp_path / "out" / "spans.jsonl").exists()

@@ -26,8 +26,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--ttl-s", type=float, help="decoder KV retention TTL (bidirectional)")
     p.add_argument("--threshold-tokens", type=int, help="kv_recompute_threshold (bidirectional)")
     p.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=None)
-    p.add_argument("--replay", help="CSV of requests to replay (arrival_s, prompt_tokens, output_tokens"
-                                    " [, conversation_id, turn])")
+    p.add_argument("--replay", help="requests to replay: a CSV (arrival_s, prompt_tokens, output_tokens"
+                                    " [, conversation_id]) or span files (kv.request spans)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-spans", action="store_true", help="skip writing spans.jsonl")
     p.add_argument("--out", required=True, help="output directory")
@@ -37,10 +37,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from kvtune.sim.outdir import simulate_to_dir
     from kvtune.sim.presets import configure
-    requests = None
-    if args.replay:
-        import pandas as pd
-        requests = pd.read_csv(args.replay)
+    from kvtune.sim.workload import load_replay
+    requests = load_replay(args.replay) if args.replay else None
     config = configure(
         args.preset, mode=args.mode, qps=args.qps, users=args.users, duration_s=args.duration_s,
         prompt_tokens=args.prompt_tokens, output_tokens=args.output_tokens, turns=args.turns,

@@ -126,6 +126,43 @@ def _schedule_replay(sim: Simulation, df: pd.DataFrame) -> float:
     return (float(df["arrival_s"].max()) - t0) * 1e3 if len(df) else 0.0
 
 
+def requests_from_spans(spans: pd.DataFrame) -> pd.DataFrame:
+    """A replay table from a spans DataFrame (``kvtune.traces.load``): one row per ``kv.request``
+    span with a prompt length (arrival = span start, relative to the first)."""
+    from kvtune import spans as S
+    missing = [c for c in ("name", "start_ns", S.PROMPT_TOKENS) if c not in spans.columns]
+    if missing:
+        raise SimError(f"spans: missing column(s) {missing}; expected a kvtune.traces.load frame")
+    req = spans[(spans["name"].astype("object") == S.SpanName.REQUEST.value).to_numpy(dtype=bool)]
+    req = req[req[S.PROMPT_TOKENS].notna().to_numpy(dtype=bool)]
+    if req.empty:
+        raise SimError(f"spans: no {S.SpanName.REQUEST.value} span with {S.PROMPT_TOKENS}; "
+                       "expected router spans to replay")
+    start = req["start_ns"].to_numpy(np.int64)
+    out = pd.DataFrame({
+        "arrival_s": (start - start.min()) / 1e9,
+        "prompt_tokens": req[S.PROMPT_TOKENS].astype("Int64").to_numpy(np.int64, na_value=1),
+        "output_tokens": (req[S.OUTPUT_TOKENS].astype("Int64").fillna(1).to_numpy(np.int64)
+                          if S.OUTPUT_TOKENS in req.columns else np.ones(len(req), np.int64)),
+    })
+    if S.CONVERSATION_ID in req.columns:
+        conv = req[S.CONVERSATION_ID].astype("object").to_numpy()
+        out["conversation_id"] = [None if (c is None or c is pd.NA or c == "") else c for c in conv]
+    return out.sort_values("arrival_s", kind="stable").reset_index(drop=True)
+
+
+def load_replay(path: str) -> pd.DataFrame:
+    """A replay table from a CSV (``arrival_s, prompt_tokens, output_tokens[, conversation_id]``)
+    or from span files (anything ``kvtune.traces.load`` reads: ``.jsonl``, a directory, ...)."""
+    if str(path).lower().endswith(".csv"):
+        try:
+            return requests_frame(pd.read_csv(path))
+        except OSError as exc:
+            raise SimError(f"{path}: cannot read the replay CSV: {exc}") from exc
+    from kvtune.traces import load
+    return requests_frame(requests_from_spans(load(path)))
+
+
 def requests_frame(requests: Any) -> pd.DataFrame:
     """Validate a replay table: ``arrival_s`` (s), ``prompt_tokens``, ``output_tokens`` and
     optionally ``conversation_id`` and ``turn``. Also takes a ``SimResult.requests`` frame."""
