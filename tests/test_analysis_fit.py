@@ -140,3 +140,13 @@ def test_mixed_ops_need_a_choice(probe_table):
     with pytest.raises(AnalysisError, match=r"mix NIXL operations \['READ', 'WRITE'\]"):
         fit_floor(both)
     assert fit_floor(both, op="WRITE", n_boot=0).n_transfers == len(write)
+
+
+def test_floor_is_never_negative():
+    # no fixed cost at all, noise around zero: the floor is pinned at 0, not fitted below it
+    rng = np.random.default_rng(3)
+    b = np.repeat([1e5, 1e6, 1e7], 6)
+    ms = b / 1e6 * (1 + rng.normal(0, 0.02, len(b)))
+    f = fit_floor_points(b, None, ms, n_boot=50)
+    assert f.floor_ms >= 0 and f.floor_ci_ms[0] >= 0
+    assert f.bandwidth_gbps == pytest.approx(8.0, rel=0.05)

@@ -127,3 +127,25 @@ def test_workload_without_requests_is_a_clear_error():
                               "attrs": {}}])
     with pytest.raises(AnalysisError, match="no requests"):
         workload(frame)
+
+
+def test_workload_without_router_keeps_reverse_spans_out_of_the_previous_turn():
+    def span(name, start_s, end_s, turn, base, **attrs):
+        return {"name": getattr(name, "value", name), "host": "h", "start_ns": T0 + int(start_s * S),
+                "end_ns": T0 + int(end_s * S),
+                "attrs": {sc.CONVERSATION_ID: "c", sc.TURN: turn, sc.BASE_REQUEST_ID: base, **attrs}}
+
+    rev = {sc.TRANSFER_ID: "r1:reverse", sc.DIRECTION: sc.Direction.REVERSE.value}
+    recs = [
+        span(sc.SpanName.PREFILL, 0, 1, 1, "r1", **{sc.PROMPT_TOKENS: 100}),
+        span(sc.SpanName.DECODE_START, 1.1, 1.2, 1, "r1"),
+        span(sc.SpanName.RETENTION, 1.2, 5.5, 1, "r1"),
+        span(sc.SpanName.PREFILL, 5.0, 6.0, 2, "r2", **{sc.PROMPT_TOKENS: 150}),
+        # turn 2 pulls turn 1's history back: these spans carry turn 1's request id
+        span(sc.SpanName.RDMA, 5.1, 5.2, 2, "r1", **rev),
+        span(sc.SpanName.NOTIFY, 5.3, 5.3, 1, "r1", **rev),
+    ]
+    w = workload(syn.spans_frame(recs))
+    assert w.n_requests == 2
+    assert w.gaps_s == pytest.approx((3.8,))
+    assert w.gap_tokens == (100,)

@@ -6,7 +6,7 @@ Model, per transfer ``i``::
 
 fitted by iteratively reweighted least squares on relative residuals, Huber then Tukey bisquare
 (outliers, e.g. a transfer that hit a scheduler hiccup, get down-weighted, gross ones to zero,
-instead of dragging the line), with percentile bootstrap
+instead of dragging the line), with the floor and the per-descriptor cost constrained to be >= 0, with percentile bootstrap
 confidence intervals resampled *within* each distinct (bytes, descriptors) point so every bootstrap
 sample keeps the sweep's design. The floor is the model's cost at zero bytes and zero descriptors.
 
@@ -145,10 +145,29 @@ def robust_irls(x: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     floor_y = max(float(np.min(y[y > 0])) if np.any(y > 0) else 1.0, 1e-9) * RELATIVE_FLOOR_SHARE
     beta, _, scale = _irls(x, y, beta, floor_y, _huber_w)
     beta_b, w_b, _ = _irls(x, y, beta, floor_y, _bisquare_w, scale=scale)
-    if np.sum(w_b > 0) >= x.shape[1] + 1:
+    kept = x[w_b > 0]
+    # the bisquare may only drop points, never the design: the kept ones must still fix every term
+    if len(kept) > x.shape[1] and np.linalg.matrix_rank(kept) == x.shape[1]:
         return beta_b, w_b
     return beta, _huber_w(np.abs((y - np.maximum(x @ beta, floor_y)) / np.maximum(x @ beta, floor_y))
                           / scale)
+
+
+def nonneg_irls(x: np.ndarray, y: np.ndarray,
+                nonneg: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`robust_irls` with the coefficients in ``nonneg`` constrained to be >= 0 (a cost
+    cannot be negative): the most negative of them is fixed at 0 and the rest refitted, until none
+    is. Returns the full coefficient vector (zeros where fixed) and the weights."""
+    active = list(range(x.shape[1]))
+    while True:
+        b_act, w = robust_irls(x[:, active], y)
+        neg = [(b_act[i], i) for i, col in enumerate(active) if col in nonneg and b_act[i] < 0]
+        if not neg or len(active) == 1:
+            break
+        active.pop(min(neg)[1])
+    beta = np.zeros(x.shape[1])
+    beta[active] = b_act
+    return beta, w
 
 
 def _design(b: np.ndarray, d: np.ndarray, with_desc: bool) -> np.ndarray:
@@ -240,7 +259,8 @@ def fit_floor_points(bytes: Sequence[float] | np.ndarray,  # noqa: A002 - unit n
     _check_design(b)
     with_desc = descriptors is not None and _descriptors_identifiable(b, d)
     x = _design(b, d, with_desc)
-    beta, w = robust_irls(x, y)
+    nonneg = (0, 2) if with_desc else (0,)  # floor and per-descriptor cost
+    beta, w = nonneg_irls(x, y, nonneg)
     floor, ms_per_byte, us_per_desc = _params(beta, with_desc)
     if ms_per_byte <= 0:
         raise AnalysisError(
@@ -284,7 +304,7 @@ def fit_floor_points(bytes: Sequence[float] | np.ndarray,  # noqa: A002 - unit n
                     break
             else:
                 idx = stratified_draw()
-        boots[i], _ = robust_irls(x[idx], y[idx])
+        boots[i], _ = nonneg_irls(x[idx], y[idx], nonneg)
     if len(boots):
         floors = boots[:, 0]
         slopes = boots[:, 1] / _BYTES_SCALE

@@ -81,6 +81,8 @@ def summarize(spans: pd.DataFrame, *, n_boot: int = 200, seed: int = 0) -> Analy
     for fabric, op in sorted(keys.itertuples(index=False, name=None)):
         sel = ((t["fabric"].astype(object).fillna("-") == fabric)
                & (t["op"].astype(object).fillna("-") == op))
+        if not t.loc[sel.to_numpy(dtype=bool), "critical_ms"].notna().any():
+            continue  # e.g. notify-only remnants of transfers that never ran
         fits[f"{fabric} {op}"] = _try(fit_floor, t[sel.to_numpy(dtype=bool)], n_boot=n_boot,
                                       seed=seed)
     src = spans.attrs.get("sources") or ["<DataFrame>"]

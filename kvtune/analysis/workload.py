@@ -4,7 +4,7 @@ between turns and what happened to retained history.
 Requests come from the router's ``kv.request`` spans; without them, one request per
 (conversation, turn) — or per base request id — is assembled from whatever spans carry those ids
 (its start is the first span's start, its end the last span's end, its prompt length from
-``kv.prefill``). An inter-turn gap is the next turn's start minus the previous turn's end.
+``kv.prefill``), leaving out retention spans and reverse transfers, which belong between turns. An inter-turn gap is the next turn's start minus the previous turn's end.
 """
 from __future__ import annotations
 
@@ -93,17 +93,22 @@ def _requests(spans: pd.DataFrame) -> tuple[pd.DataFrame, str]:
         })
         return out.reset_index(drop=True), sc.SpanName.REQUEST.value
     conv, base = _str_col(spans, sc.CONVERSATION_ID), _str_col(spans, sc.BASE_REQUEST_ID)
-    keyed = spans.assign(_conv=conv, _turn=_int_col(spans, sc.TURN), _base=base)
-    # Retention spans run from one turn's end to the next turn's start: not part of a request.
-    keep = (conv.notna() | base.notna()) & (name != sc.SpanName.RETENTION.value)
+    turn = _int_col(spans, sc.TURN)
+    keyed = spans.assign(_conv=conv, _turn=turn, _base=base)
+    # Not part of one request's own time: retention spans (one turn's end -> the next turn's
+    # start), and reverse transfers (the next turn pulling this turn's history back: they carry
+    # the previous turn's request id).
+    reverse = (_str_col(spans, sc.DIRECTION) == sc.Direction.REVERSE.value) | \
+        _str_col(spans, sc.TRANSFER_ID).astype(str).str.endswith(":" + sc.Direction.REVERSE.value)
+    keep = (conv.notna() | base.notna()) & (name != sc.SpanName.RETENTION.value) & ~reverse
     keyed = keyed[keep.to_numpy(dtype=bool)]
     if keyed.empty:
         raise AnalysisError(
             f"workload: no requests: need {sc.SpanName.REQUEST.value} router spans, or spans "
             f"carrying {sc.CONVERSATION_ID} or {sc.BASE_REQUEST_ID}; got {len(spans)} span(s)")
-    keyed = keyed.assign(_key=keyed["_base"].where(keyed["_base"].notna(),
-                                                   keyed["_conv"].astype(str) + "#"
-                                                   + keyed["_turn"].astype(str)))
+    by_turn = keyed["_conv"].notna() & keyed["_turn"].notna()
+    keyed = keyed.assign(_key=keyed["_base"].astype(str).where(
+        ~by_turn, keyed["_conv"].astype(str) + "#" + keyed["_turn"].astype(str)))
     pre = keyed[(keyed["name"].astype("object") == sc.SpanName.PREFILL.value).to_numpy(dtype=bool)]
     prompt = pre.groupby("_key")[sc.PROMPT_TOKENS].max() if sc.PROMPT_TOKENS in pre else None
     g = keyed.groupby("_key", sort=False)

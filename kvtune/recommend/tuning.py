@@ -35,7 +35,7 @@ def _source(spans: pd.DataFrame) -> str:
 
 def bytes_per_token_of(transfers: pd.DataFrame, geometry: Any = None) -> tuple[float, float, str]:
     """(bytes per token, descriptors per token, where from): the geometry's, else the smallest
-    ``kv.bytes / kv.tokens`` over the largest quarter of transfers (a partly filled last block
+    ``kv.bytes / kv.tokens`` over the largest quarter of serving (else probe) transfers (a partly filled last block
     moves whole, so every ratio over-states the truth; large, block-aligned ones the least)."""
     if geometry is not None:
         bpt = float(geometry.bytes_per_token)
@@ -45,6 +45,9 @@ def bytes_per_token_of(transfers: pd.DataFrame, geometry: Any = None) -> tuple[f
         return bpt, dpt, "geometry"
     t = transfers[(transfers["tokens"].notna() & transfers["bytes"].notna()
                    & (transfers["tokens"] > 0)).to_numpy(dtype=bool)]
+    serving = t[(t["mode"].astype(object) != "probe").to_numpy(dtype=bool)]
+    if len(serving):  # the probe's geometry is a stand-in for the served model's
+        t = serving
     if t.empty:
         raise AnalysisError(
             "recommend: cannot tell KV bytes per token: no transfer has both kv.tokens and kv.bytes "
