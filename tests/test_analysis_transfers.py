@@ -192,6 +192,13 @@ def test_mixed_units_in_bytes_are_refused():
         transfers(syn.spans_frame(spans))
 
 
+def test_span_ending_before_it_starts_is_refused():
+    spans = _pull()
+    spans[1]["end_ns"] = spans[1]["start_ns"] - MS
+    with pytest.raises(AnalysisError, match="end before they start.*kv.rdma of r1:forward"):
+        transfers(syn.spans_frame(spans))
+
+
 def test_input_frame_is_not_modified():
     frame = syn.spans_frame(_pull())
     before = frame.copy()

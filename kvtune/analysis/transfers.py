@@ -92,6 +92,13 @@ def _phase_spans(spans: pd.DataFrame) -> pd.DataFrame:
             f"names {counts}")
     ph = spans.loc[sel].copy()
     ph["_tid"] = tid[sel].astype("object")
+    backwards = (ph["end_ns"].astype("int64") < ph["start_ns"].astype("int64")).to_numpy(dtype=bool)
+    if backwards.any():
+        bad = ph[backwards].iloc[0]
+        raise AnalysisError(
+            f"spans: {int(backwards.sum())} phase span(s) end before they start (e.g. "
+            f"{bad['name']} of {bad['_tid']} on host {bad['host']!r}: start {int(bad['start_ns'])}, "
+            f"end {int(bad['end_ns'])}); expected endTimeUnixNano >= startTimeUnixNano")
     warm = _col(ph, sc.PROBE_WARMUP).astype("boolean").fillna(False)
     warm_ids = set(ph.loc[warm.to_numpy(dtype=bool), "_tid"])
     if warm_ids:
