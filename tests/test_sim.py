@@ -356,3 +356,18 @@ def test_cli_replays_span_files(tmp_path, capsys):
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
     assert summary["requests"] == len(src.requests)
     assert not (tmp_path / "out" / "spans.jsonl").exists()
+
+
+@pytest.mark.parametrize("mode", ["push", "pull", "bidirectional"])
+def test_prefix_caching_on_the_prefill_is_a_local_hit(mode):
+    cfg = two_turns(1.0).with_(mode=mode, reuse={"prefix_caching": True})
+    df = simulate(cfg).requests.set_index("turn")
+    if mode == "bidirectional":  # the decode holds more (prompt + output): pulled back instead
+        assert df.loc[2, "reuse_outcome"] == S.ReuseOutcome.PULL.value
+        assert df.loc[2, "cached_tokens"] == 3050
+    else:  # the prefill cached turn 1's prompt; turn 2 computes the output and new tokens
+        assert df.loc[2, "cached_tokens"] == 3000
+        assert df.loc[2, "computed_tokens"] == df.loc[2, "prompt_tokens"] - 3000
+    if mode != "bidirectional":  # a cache smaller than the prompt keeps only a prefix of it
+        small = simulate(cfg.with_(reuse={"prefix_caching": True, "prefill_cache_tokens": 1000}))
+        assert small.requests.set_index("turn").loc[2, "cached_tokens"] == 1000

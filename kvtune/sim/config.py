@@ -179,7 +179,8 @@ class ReuseSettings:
     prefix_caching: bool = False
     """Prefix caching on the prefill: a conversation's history still in its cache is a local hit."""
     prefill_cache_tokens: int = 0
-    """Prefix cache capacity of one prefill instance, tokens (LRU over conversations)."""
+    """Prefix cache capacity of one prefill instance, tokens (LRU over conversations); 0: the
+    decode's ``kv_capacity_tokens`` (same hardware)."""
     decode_local_prefix: bool = False
     """The decode uses the retained blocks it holds as a local prefix, so the forward transfer moves
     only the tokens it lacks; ``False``: the forward transfer moves the whole prompt's KV again."""

@@ -351,7 +351,7 @@ class Simulation:
         p = self.prefills[req.pinst]
         p.work_ms -= req.prompt
         p.active -= 1
-        if self.ru.prefix_caching and self.ru.prefill_cache_tokens > 0:
+        if self.ru.prefix_caching:
             self.cache_prompt(p, req)
         self.prefill_next(p, t)
         if self.early_decode:
@@ -361,7 +361,7 @@ class Simulation:
             self.at(t + 2 * self.ov.hop_ms, self.on_pull_decode_arrival, req)
 
     def cache_prompt(self, p: _Prefill, req: Req) -> None:
-        cap = self.ru.prefill_cache_tokens
+        cap = self.ru.prefill_cache_tokens or self.dm.kv_capacity_tokens
         old = p.cache.pop(req.conv, 0)
         p.cache_used -= old
         tokens = min(req.prompt, cap)
