@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 from kvtune.sim.config import MODES
 
@@ -35,7 +36,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvtune.sim.outdir import simulate_to_dir
+    from kvtune.sim.outdir import SUMMARY_FILE, simulate_to_dir
     from kvtune.sim.presets import configure
     from kvtune.sim.workload import load_replay
     requests = load_replay(args.replay) if args.replay else None
@@ -46,7 +47,8 @@ def run(args: argparse.Namespace) -> int:
         prefill_instances=args.prefill_instances, decode_instances=args.decode_instances,
         ttl_s=args.ttl_s, threshold_tokens=args.threshold_tokens, prefix_caching=args.prefix_caching,
         requests=requests, seed=args.seed)
-    result = simulate_to_dir(config, args.out, spans=not args.no_spans, progress=True)
-    json.dump(result.summary(), sys.stdout, indent=2, default=str)
+    simulate_to_dir(config, args.out, spans=not args.no_spans, progress=True)
+    json.dump(json.loads((Path(args.out) / SUMMARY_FILE).read_text(encoding="utf-8")), sys.stdout,
+              indent=2)
     sys.stdout.write("\n")
     return 0
