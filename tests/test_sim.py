@@ -374,3 +374,12 @@ def test_prefix_caching_on_the_prefill_is_a_local_hit(mode):
     if mode != "bidirectional":  # a cache smaller than the prompt keeps only a prefix of it
         small = simulate(cfg.with_(reuse={"prefix_caching": True, "prefill_cache_tokens": 1000}))
         assert small.requests.set_index("turn").loc[2, "cached_tokens"] == 1000
+
+
+def test_retention_released_when_recomputed_unless_the_decode_keeps_it_as_prefix():
+    rec = simulate(two_turns(1.0, threshold=10_000))
+    assert rec.retentions[0].outcome == S.RetentionOutcome.RELEASED.value
+    keep = simulate(two_turns(1.0, threshold=10_000).with_(reuse={"decode_local_prefix": True}))
+    assert keep.retentions[0].outcome == S.RetentionOutcome.REUSED.value
+    turn2 = keep.requests.set_index("turn").loc[2]
+    assert turn2["forward_tokens"] == turn2["prompt_tokens"] - 3050  # only what the decode lacks

@@ -286,18 +286,22 @@ class Simulation:
             else:
                 req.outcome = RO.EXPIRED.value if expired else RO.NONE.value
             return
-        # the decode's retained blocks become this request's prefix there: forward only the rest
         remote = min(ret.tokens, req.history)
         req.remote_tokens = remote
-        self.end_retention(d, ret, spans.RetentionOutcome.REUSED.value, t)
         req.retention = ret
+        if req.dinst < 0:  # the next turn goes to the decode that holds its history
+            self.assign_decode(req, d)
+        pulled = local < remote and remote >= self.ru.threshold_tokens
+        # retained blocks are reused when pulled back, or when the decode keeps them as its local
+        # prefix (then the forward transfer moves only the rest); otherwise they are let go
+        used = pulled or self.ru.decode_local_prefix
+        self.end_retention(d, ret, (spans.RetentionOutcome.REUSED if used
+                                    else spans.RetentionOutcome.RELEASED).value, t)
         if self.ru.decode_local_prefix:
             req.fwd_tokens = max(0, req.prompt - remote)
-        if req.dinst < 0:
-            self.assign_decode(req, d)
         if local >= remote:
             req.outcome, req.cached = RO.LOCAL_HIT.value, local
-        elif remote >= self.ru.threshold_tokens:
+        elif pulled:
             req.outcome, req.cached = RO.PULL.value, remote
             req.rev_tokens = remote
             # the prefill engine loop builds the descriptors inline at its next boundary
