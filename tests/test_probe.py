@@ -159,3 +159,31 @@ def test_run_probe_sweeps_fits_and_emits_spans_on_both_sides(tmp_path):
         assert trace_of[tid] == trace_id
     assert (notify[S.NOTIFY_SENT_NS] > 0).all()
     assert (notify[S.MODE] == S.Mode.PROBE.value).all()
+
+
+def test_serve_outlives_an_initiator_that_vanishes_and_serves_the_next(tmp_path):
+    import subprocess
+    import sys
+    serve = subprocess.Popen([sys.executable, "-m", "kvtune.probe", "serve", "--port", "0",
+                              "--max-sessions", "2", "--spans", str(tmp_path)],
+                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        line = ""
+        while not line.startswith("kvtune probe serve: listening on "):  # NIXL logs come first
+            line = serve.stdout.readline()
+            assert line, "serve exited before listening"
+        peer = line.rsplit(" ", 1)[1].strip()
+        assert peer.startswith("127.0.0.1:")
+        host, port = peer.rsplit(":", 1)
+        gone = InitiatorSession((host, int(port)), SMALL, capacity_blocks=2)
+        gone.ch.sock.close()  # no bye: the target must notice and move on
+        summary = run_probe(ProbeConfig(geometry=SMALL, tokens=(16, 32, 64), ops=("WRITE",),
+                                        iters=3, warmup=1, peer=peer, progress=False, spans=False,
+                                        n_boot=20))
+        assert summary.peer == peer and summary.fabric.endswith("-remote")
+        assert summary.verified_transfers == 2 and summary.notifications_received == summary.n_transfers
+        assert serve.wait(60) == 0  # both sessions served, then it exits
+    finally:
+        serve.kill()
+        serve.wait(10)
+    assert list(tmp_path.glob("*.jsonl")), "the target wrote its spans"

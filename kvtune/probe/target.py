@@ -66,7 +66,11 @@ class ProbeTarget:
             self.listener = socket.create_server((bind, port), reuse_port=False)
         except OSError as exc:
             raise ProbeError(f"probe target: cannot listen on {bind}:{port}: {exc.strerror or exc}") from None
-        self.agent = make_agent(self.name, backend)
+        # Fail now if the backend does not load; the serving agent is made per session, so an idle
+        # target holds no NIXL progress thread (which polls, costing CPU while nobody transfers).
+        make_agent(f"{self.name}-check", backend)
+        self.agent = None
+        self.sessions = 0
         self.notifs_received = 0
         self._stop = False
 
@@ -121,18 +125,22 @@ class ProbeTarget:
             ch.send({"type": "error", "message": f"buffer of {nbytes!r} bytes asked; this target "
                                                  f"allows 1..{self.max_bytes} (serve --max-mem-mb)"})
             return
+        self.sessions += 1
+        name = f"{self.name}-{self.sessions}"
+        self.agent = make_agent(name, self.backend)
         try:
             remote = self.agent.add_remote_agent(hello.blob)
         except Exception as exc:
             ch.send({"type": "error", "message": f"cannot load the initiator's NIXL metadata: {exc}"})
+            self.agent = None
             return
         remote_name = remote.decode() if isinstance(remote, bytes) else str(remote)
         buf = RegisteredBuffer.allocate(self.agent, nbytes)
-        info = tracing.SpanContextInfo(self.name, remote_name, self.backend,
+        info = tracing.SpanContextInfo(name, remote_name, self.backend,
                                        str(hello.msg.get("fabric") or self.fabric))
         notifs_before = self.notifs_received
         try:
-            ch.send({"type": "ready", "version": PROTOCOL_VERSION, "agent": self.name,
+            ch.send({"type": "ready", "version": PROTOCOL_VERSION, "agent": name,
                      "addr": buf.addr, "nbytes": buf.nbytes, "nixl_version": nixl_version(),
                      "host": socket.gethostname()}, self.agent.get_agent_metadata())
             last_activity = time.monotonic()
@@ -159,6 +167,7 @@ class ProbeTarget:
                 self.agent.remove_remote_agent(remote_name)
             except Exception:
                 logger.debug("remove_remote_agent(%s) failed", remote_name, exc_info=True)
+            self.agent = None  # its progress thread ends with it
 
     def _drain_notifs(self, info: tracing.SpanContextInfo) -> int:
         notifs = self.agent.get_new_notifs()
