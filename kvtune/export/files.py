@@ -148,6 +148,28 @@ def _report(tuning: Tuning, model: str, files: dict[str, str]) -> str:
                   f"floor {fit.floor_ms:.3g} ms [{fit.floor_ci_ms[0]:.3g}, {fit.floor_ci_ms[1]:.3g}], "
                   f"bandwidth {fit.bandwidth_gbps:.3g} Gbit/s [{fit.bandwidth_ci_gbps[0]:.3g}, "
                   f"{fit.bandwidth_ci_gbps[1]:.3g}]{desc}.", ""]
+    why = []
+    te = t.evidence
+    if te.get("break_even_tokens") is not None and te.get("pull_ms_at_break_even") is not None:
+        why.append(f"- threshold: pulling {te['break_even_tokens']:.0f} tokens back costs "
+                   f"{te['pull_ms_at_break_even']:.3g} ms, as much as recomputing them; longer "
+                   f"histories are pulled, shorter ones recomputed.")
+    elif t.value == NEVER:
+        why.append("- threshold: pulling history back never costs less than recomputing it on "
+                   "this traffic.")
+    ev = ttl.evidence
+    if ev.get("captured_share") is not None and ev.get("retained_gb_at_ttl") is not None:
+        why.append(f"- TTL: captures {ev['captured_share']:.0%} of reusable next-turn history "
+                   f"(gap p50 {ev.get('gap_s_p50', float('nan')):.3g} s, p90 "
+                   f"{ev.get('gap_s_p90', float('nan')):.3g} s) holding about "
+                   f"{ev['retained_gb_at_ttl']:.3g} GB of decode HBM (budget "
+                   f"{ev.get('hbm_budget_gb')} GB); the router's TTL is "
+                   f"{ev.get('router_params_ttl_s')} s.")
+    if why:
+        lines += ["Why:", "", *why, ""]
+    if m.value != sc.Mode.BIDIRECTIONAL.value:
+        lines += [f"In {m.value} mode bidirectional KV transfer is off: the threshold and TTL only "
+                  f"act with it, and are written for reference.", ""]
     ttft = m.evidence.get("expected_ttft_ms", {})
     if ttft:
         lines += [f"Expected TTFT ({m.evidence.get('model')} model):", ""]
