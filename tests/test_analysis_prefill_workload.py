@@ -127,6 +127,8 @@ def test_workload_without_requests_is_a_clear_error():
                               "attrs": {}}])
     with pytest.raises(AnalysisError, match="no requests"):
         workload(frame)
+    with pytest.raises(AnalysisError, match="no requests"):  # probe transfers are not requests
+        workload(syn.probe_spans(iterations=3))
 
 
 def test_workload_without_router_keeps_reverse_spans_out_of_the_previous_turn():

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import pandas as pd
 
@@ -24,10 +24,16 @@ class AnalysisSummary:
     """Per fabric and NIXL operation (``"fabric READ"``): the floor fit, or why it failed."""
     prefill: PrefillCost | str
     workload: Workload | str
+    clock_offsets_ns: dict[str, int] = field(default_factory=dict)
+    """Per host, the clock offset the loader subtracted (``kvtune.traces.load``)."""
 
     def format(self) -> str:
         t = self.transfers
         lines = [f"source: {self.source}  spans: {self.span_count}  transfers: {len(t)}"]
+        moved = {h: o for h, o in self.clock_offsets_ns.items() if o}
+        if moved:
+            lines.append("clock offsets corrected (ms): " + ", ".join(
+                f"{h} {o / 1e6:+.3f}" for h, o in sorted(moved.items())))
         if len(t):
             by = t.groupby([t["mode"].astype(object).fillna("-"),
                             t["direction"].astype(object).fillna("-")]).size()
@@ -88,7 +94,8 @@ def summarize(spans: pd.DataFrame, *, n_boot: int = 200, seed: int = 0) -> Analy
     src = spans.attrs.get("sources") or ["<DataFrame>"]
     return AnalysisSummary(source=", ".join(map(str, src)), span_count=len(spans), transfers=t,
                            fits=fits, prefill=_try(prefill_cost, spans),
-                           workload=_try(workload, spans))
+                           workload=_try(workload, spans),
+                           clock_offsets_ns=dict(spans.attrs.get("clock_offsets_ns") or {}))
 
 
 def analyze_source(source: str | list[str], *, transfers_csv: str | os.PathLike[str] | None = None,

@@ -100,7 +100,9 @@ def _requests(spans: pd.DataFrame) -> tuple[pd.DataFrame, str]:
     # the previous turn's request id).
     reverse = (_str_col(spans, sc.DIRECTION) == sc.Direction.REVERSE.value) | \
         _str_col(spans, sc.TRANSFER_ID).astype(str).str.endswith(":" + sc.Direction.REVERSE.value)
-    keep = (conv.notna() | base.notna()) & (name != sc.SpanName.RETENTION.value) & ~reverse
+    probe = _str_col(spans, sc.MODE) == sc.Mode.PROBE.value  # probe transfers are not requests
+    keep = ((conv.notna() | base.notna()) & (name != sc.SpanName.RETENTION.value) & ~reverse
+            & ~probe)
     keyed = keyed[keep.to_numpy(dtype=bool)]
     if keyed.empty:
         raise AnalysisError(
