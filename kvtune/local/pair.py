@@ -18,6 +18,7 @@ a router would (see ``/work/shared/CPU-VLLM.md`` for what was tried on these mac
 from __future__ import annotations
 
 import importlib.util
+import logging
 import os
 import tempfile
 import threading
@@ -55,6 +56,12 @@ REQUEST_TIMEOUT_S: Final = 300.0
 DEFAULT_PREFILL_ENGINE_ID: Final = "kvtune-local-prefill"
 DEFAULT_DECODE_ENGINE_ID: Final = "kvtune-local-decode"
 WARMUP_PROMPT: Final = (11, 12, 13, 14, 15, 16, 17, 18)
+WARMUP_ATTEMPTS: Final = 3
+WARMUP_MAX_OUTPUT_TOKENS: Final = 1024
+VLLM_DEFAULT_RECOMPUTE_THRESHOLD: Final = 64
+"""vLLM 0.32's ``kv_recompute_threshold`` default (``NixlBaseConnectorScheduler``)."""
+
+_log = logging.getLogger(__name__)
 
 
 def default_model_dir() -> Path:
@@ -297,13 +304,45 @@ class LocalPair(_Servers):
                 self._call(srv, "warm-up", _body(list(WARMUP_PROMPT), 2, ignore_eos=True,
                                                  stream=False, kv_transfer_params=None),
                            {"X-Request-Id": f"kvtune-warmup-{srv.name}-{uuid.uuid4().hex[:8]}"})
-            if self.warmup_transfer:  # one P/D request: NIXL handshake done before the caller's
-                self.complete(list(WARMUP_PROMPT) * 3, 2,
-                              request_id=f"kvtune-warmup-pd-{uuid.uuid4().hex[:8]}")
+            if self.warmup_transfer:
+                self._warmup_transfers()
         except BaseException:
             self.stop()
             raise
         return self
+
+    def _warmup_transfers(self) -> None:
+        """P/D warm-up so that every NIXL handshake of this mode is done before the caller's
+        requests: decode -> prefill (pull, push), prefill -> decode (push's WRITE side, and the
+        bidirectional reverse pull, which needs a second turn long enough to beat the recompute
+        threshold). A handshake waits only 5 s for the peer's metadata (vLLM's ``RCVTIMEO``), so on
+        a loaded machine the first contact can fail with HTTP 500 (see ``kvtune/local/README.md``):
+        retried here, bounded, each failure logged."""
+        threshold = (self.recompute_threshold if self.recompute_threshold is not None
+                     else VLLM_DEFAULT_RECOMPUTE_THRESHOLD)
+        # Turn 1's prompt (24 tokens) fills no 128-token block, so the prefill's own prefix cache
+        # holds none of the history and it must pull prompt + output - 1 >= threshold tokens.
+        turn1_tokens = min(max(threshold, 1) + 8, WARMUP_MAX_OUTPUT_TOKENS)
+        last: LocalPairError | None = None
+        for attempt in range(1, WARMUP_ATTEMPTS + 1):
+            tag = f"kvtune-warmup-pd-{uuid.uuid4().hex[:8]}"
+            conv = tag if self.mode == "bidirectional" else None
+            try:
+                first = self.complete(list(WARMUP_PROMPT) * 3, turn1_tokens if conv else 2,
+                                      request_id=f"{tag}-1", conversation=conv)
+                if conv is not None:
+                    prompt2 = list(WARMUP_PROMPT) * 3 + list(first.token_ids) + list(WARMUP_PROMPT)
+                    self.complete(prompt2, 2, request_id=f"{tag}-2", conversation=conv)
+                return
+            except LocalPairError as exc:
+                last = exc
+                _log.warning("LocalPair %s: P/D warm-up attempt %d/%d failed: %s", self.mode,
+                             attempt, WARMUP_ATTEMPTS, str(exc).splitlines()[0][:500])
+            finally:
+                if conv is not None:
+                    self.forget(conv)
+        assert last is not None
+        raise last
 
     def __enter__(self) -> LocalPair:
         return self.start()
