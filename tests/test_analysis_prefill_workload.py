@@ -89,7 +89,10 @@ def test_workload_hand_computed():
         {"name": sc.SpanName.REUSE_DECISION.value, "host": "p", "start_ns": T0, "end_ns": T0 + 1,
          "attrs": {sc.REUSE_OUTCOME: sc.ReuseOutcome.PULL.value}},
         {"name": sc.SpanName.REUSE_DECISION.value, "host": "p", "start_ns": T0, "end_ns": T0 + 1,
-         "attrs": {sc.REUSE_OUTCOME: sc.ReuseOutcome.EXPIRED.value}},
+         "attrs": {sc.REUSE_OUTCOME: sc.ReuseOutcome.EXPIRED.value, sc.ROLE: "prefill"}},
+        # the decode's own decision to pull the prompt is not a history reuse
+        {"name": sc.SpanName.REUSE_DECISION.value, "host": "d", "start_ns": T0, "end_ns": T0 + 1,
+         "attrs": {sc.REUSE_OUTCOME: sc.ReuseOutcome.PULL.value, sc.ROLE: "decode"}},
     ]
     w = workload(syn.spans_frame(recs))
     assert isinstance(w, Workload)

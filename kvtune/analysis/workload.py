@@ -168,7 +168,9 @@ def workload(spans: pd.DataFrame) -> Workload:
 
     outcomes: dict[str, int] = {}
     name = spans["name"].astype("object")
-    dec = spans[(name == sc.SpanName.REUSE_DECISION.value).to_numpy(dtype=bool)]
+    # History reuse is the prefill's decision; a decode's own "pull the prompt" decision is not one.
+    not_decode = _str_col(spans, sc.ROLE) != sc.Role.DECODE.value
+    dec = spans[((name == sc.SpanName.REUSE_DECISION.value) & not_decode).to_numpy(dtype=bool)]
     if not dec.empty and sc.REUSE_OUTCOME in dec.columns:
         outcomes = {str(k): int(v) for k, v in dec[sc.REUSE_OUTCOME].dropna().astype(str)
                     .value_counts().sort_index().items()}
