@@ -3,20 +3,26 @@
 Time is in milliseconds of simulated time from 0. One heap of ``(time_ms, seq, handler, arg)``
 events; ``seq`` keeps the order of simultaneous events deterministic. The mechanisms:
 
-* **prefill**: each instance serves its FIFO queue one request at a time
+* **prefill**: each instance serves its FIFO queue ``parallel_requests`` at a time
   (:class:`~kvtune.sim.config.PrefillModel`); the router sends a request to the instance with the
-  least queued work (or the one holding the conversation's prefix when prefix caching is on).
-* **push**: the router picks the decode at arrival (early). The decode's registration of its
-  destination blocks runs while the prefill computes; after the rendezvous, the prefill's
-  background sender thread builds descriptors and posts the WRITE; the decode engine sees the
-  notification at its next loop boundary.
+  fewest queued prompt tokens (or the one holding the conversation's prefix when prefix caching is
+  on).
+* **push**: the router picks the decode at arrival (early). The decode allocates the destination
+  blocks (waiting for KV memory if needed) and registers them with the prefill while it computes;
+  the prefill's background sender thread builds the descriptors as soon as the registration
+  arrives, and posts the WRITE when the prefill is done; the decode engine sees the notification
+  at its next loop boundary.
 * **pull** (and the forward leg of **bidirectional**): the prefill answers the router, which picks
-  the decode then (late). The decode engine loop builds the descriptors and posts the READ inline at
-  its next loop boundary, stalling its running decodes; it sees the completion at a later boundary.
+  the decode then (late). At its next loop boundary the decode engine allocates the blocks, builds
+  the descriptors and posts the READ inline, stalling its running decodes; it sees the completion
+  at a later boundary and schedules the request at the one after.
 * **bidirectional**: a decode retains a finished request's KV for ``ttl_s`` (LRU-evicted when its
-  KV memory is needed); the next turn pulls that history back to the prefill when it holds at least
-  ``threshold_tokens`` (else recomputes), and the forward transfer moves only what the decode lacks.
+  KV memory is needed). The next turn goes to that decode; the prefill pulls the history back
+  when it holds at least ``threshold_tokens`` (building the descriptors inline, in one of its
+  slots), else recomputes it.
 * **links**: each instance's NIC is a FIFO for ``bytes/bandwidth``; the floor is latency on top.
+* **decode steps**: step time grows with the batch and its context; while nothing changes, up to
+  ``MAX_RUN_STEPS`` steps are one event (an arrival cuts the run at the next step boundary).
 """
 from __future__ import annotations
 
