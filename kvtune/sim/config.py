@@ -226,7 +226,7 @@ class SimConfig:
     overheads: Overheads = field(default_factory=Overheads)
     reuse: ReuseSettings = field(default_factory=ReuseSettings)
     workload: WorkloadSpec = field(default_factory=WorkloadSpec)
-    requests: Any = None
+    requests: Any = field(default=None, compare=False)
     """Replay instead of ``workload``: a DataFrame with ``arrival_s, prompt_tokens, output_tokens``
     and optionally ``conversation_id, turn`` (see :func:`kvtune.sim.workload.requests_frame`)."""
     prefill_instances: int = 1
