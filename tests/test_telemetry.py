@@ -316,3 +316,57 @@ def test_concurrent_exports_write_whole_lines(tmp_path: Path) -> None:
     lines = path.read_text().splitlines()
     assert len(lines) == 80 and all(json.loads(line)["resourceSpans"] for line in lines)
     assert len(load(path)) == 80
+
+
+def test_otlp_traces_endpoint_is_used_as_is(monkeypatch: pytest.MonkeyPatch) -> None:
+    """OTEL_EXPORTER_OTLP_TRACES_ENDPOINT is the full signal URL (no /v1/traces appended)."""
+    _OtlpReceiver.received = []
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _OtlpReceiver)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        monkeypatch.setenv(telemetry.ENV_OTLP_TRACES_ENDPOINT,
+                           f"http://127.0.0.1:{server.server_port}/custom/traces")
+        monkeypatch.setenv(telemetry.ENV_OTLP_ENDPOINT, "http://127.0.0.1:1")  # loses to the above
+        t = telemetry.setup("router", otlp_timeout_s=10, batch=False)
+        _emit(t)
+        t.shutdown()
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert {p for p, _ in _OtlpReceiver.received} == {"/custom/traces"}
+    assert t.dropped_spans == 0
+
+
+def test_otlp_grpc_export_reaches_a_receiver() -> None:
+    """A real OTLP/gRPC export to a local TraceService (stand-in for a Collector)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import grpc
+    from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
+
+    received: list[ExportTraceServiceRequest] = []
+
+    class Receiver(trace_service_pb2_grpc.TraceServiceServicer):
+        def Export(self, request, context):  # noqa: N802
+            received.append(request)
+            return trace_service_pb2.ExportTraceServiceResponse()
+
+    server = grpc.server(ThreadPoolExecutor(max_workers=2))
+    trace_service_pb2_grpc.add_TraceServiceServicer_to_server(Receiver(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        t = telemetry.setup("decode", otlp_endpoint=f"http://127.0.0.1:{port}",
+                            otlp_protocol=telemetry.PROTOCOL_GRPC, otlp_timeout_s=10)
+        _emit(t)
+        assert t.force_flush(timeout_millis=30_000)
+        t.shutdown()
+    finally:
+        server.stop(grace=None)
+    assert t.dropped_spans == 0
+    names = {s.name for r in received for rs in r.resource_spans for ss in rs.scope_spans
+             for s in ss.spans}
+    assert names == {spans.SpanName.REQUEST.value, spans.SpanName.RDMA.value}
+    services = {a.value.string_value for r in received for rs in r.resource_spans
+                for a in rs.resource.attributes if a.key == spans.SERVICE_NAME}
+    assert services == {"kvtune-decode"}
