@@ -55,15 +55,14 @@ NOTEBOOKS: dict[str, list[tuple[str, str]]] = {
                      "time goes per phase, and the readiness findings."),
         ("code", LOAD),
         ("code", 'fits = figures.fits_by_fabric(tx, seed=seed)\n'
+                 'groups = figures.fit_groups(tx)\n'
                  'for key, fit in fits.items():\n'
                  '    if isinstance(fit, str):\n'
                  '        print(f"{key}: no fit: {fit}")\n'
                  '        continue\n'
                  '    print(f"{key}: floor {fit.floor_ms:.3f} ms {fit.floor_ci_ms}, "\n'
                  '          f"{fit.bandwidth_gbps:.2f} Gb/s {fit.bandwidth_ci_gbps}, r2 {fit.r2:.3f}")\n'
-                 '    sel = tx[(tx["fabric"].astype("object") == key.rsplit(" (", 1)[0]).to_numpy(dtype=bool)]\n'
-                 '    sel = sel[((sel["mode"].astype("object") == "probe") == key.endswith("(probe)")).to_numpy(dtype=bool)]\n'
-                 '    nb.show(plots.floor_fit(sel, fit, title=f"Transfer time vs bytes: {key}"),\n'
+                 '    nb.show(plots.floor_fit(groups[key], fit, title=f"Transfer time vs bytes: {key}"),\n'
                  '            f"fit-{key}")\n'
                  'nb.publish("fits", {k: (v.as_dict() if not isinstance(v, str) else v)\n'
                  '                    for k, v in fits.items()})'),
@@ -71,6 +70,7 @@ NOTEBOOKS: dict[str, list[tuple[str, str]]] = {
         ("code", 'nb.show(plots.efficiency(tx, nominal_gbps=nominal_gbps), "efficiency")'),
         ("code", RECOMMEND + 'nb.publish("floor_ms", tuning.fit.floor_ms)\n'
                  'nb.publish("bandwidth_gbps", tuning.fit.bandwidth_gbps)\n'
+                 'nb.publish("fit_source", tuning.extra.get("fit_source"))\n'
                  'nb.show(plots.table(figures.findings_rows(tuning), title="Readiness findings"),\n'
                  '        "findings")'),
     ],

@@ -60,6 +60,44 @@ def bytes_per_token_of(transfers: pd.DataFrame, geometry: Any = None) -> tuple[f
     return bpt, dpt, "transfers (kv.bytes / kv.tokens)"
 
 
+def _fit_with_probe_fallback(tr: pd.DataFrame, *, n_boot: int, seed: int, fabric: str | None,
+                             op: str | None, source: str
+                             ) -> tuple[FloorFit, str, list[Finding]]:
+    """Fit the serving transfers; when they cannot support a fit (too few sizes, noise larger than
+    the size effect) and the trace holds fabric-probe transfers, fit those instead, saying so.
+
+    Returns (fit, where it came from, findings)."""
+    is_probe = (tr["mode"].astype("object") == "probe").to_numpy(dtype=bool)
+    serving, probe = tr[~is_probe], tr[is_probe]
+    first = serving if len(serving) else tr
+    try:
+        fit = fit_floor(first, n_boot=n_boot, seed=seed, fabric=fabric if fabric in set(
+            first["fabric"].dropna().astype(str)) else None, op=op, source=source)
+        return fit, "serving transfers" if len(serving) else "probe transfers", []
+    except AnalysisError as exc:
+        if not len(serving) or probe.empty:
+            raise
+        p_fabrics = sorted(set(probe["fabric"].dropna().astype(str)))
+        p_fabric = fabric if fabric in p_fabrics else (p_fabrics[0] if p_fabrics else None)
+        p_ops = sorted(set(probe["op"].dropna().astype(str)))
+        p_op = "READ" if "READ" in p_ops else (p_ops[0] if p_ops else None)
+        try:
+            fit = fit_floor(probe, n_boot=n_boot, seed=seed, fabric=p_fabric, op=p_op,
+                            source=source)
+        except AnalysisError as exc2:
+            raise AnalysisError(f"{exc}; the fabric probe's transfers cannot stand in either: "
+                                f"{exc2}") from None
+        finding = Finding(
+            "fit_from_probe", "warning",
+            f"the {len(serving)} serving transfers cannot support a floor fit ({exc}); the floor "
+            f"and bandwidth come from the fabric probe's {p_op} transfers"
+            f"{f' on {p_fabric!r}' if p_fabric else ''} instead: they miss vLLM's own "
+            f"per-transfer overhead, so the threshold may be low",
+            {"serving_transfers": int(len(serving)), "probe_transfers": int(len(probe)),
+             "serving_fit_error": str(exc), "probe_fabric": p_fabric, "probe_op": p_op})
+        return fit, "probe transfers (fallback)", [finding]
+
+
 def recommend(spans: pd.DataFrame, *, geometry: Any = None,
               hbm_budget_gb: float = DEFAULT_HBM_BUDGET_GB, early_decode_ok: bool = True,
               fabric: str | None = None, prefill_instances: int = 1, n_boot: int = 200,
@@ -95,7 +133,9 @@ def recommend(spans: pd.DataFrame, *, geometry: Any = None,
                                 f"the transfers mix NIXL operations {ops}; the floor is fitted on "
                                 f"{op} (what pull and bidirectional reuse use)",
                                 {"ops": ops, "op": op}))
-    fit: FloorFit = fit_floor(tr, n_boot=n_boot, seed=seed, fabric=fabric, op=op, source=source)
+    fit, fit_source, f = _fit_with_probe_fallback(tr, n_boot=n_boot, seed=seed, fabric=fabric,
+                                                  op=op, source=source)
+    findings += f
     pc: PrefillCost = prefill_cost(spans)
     wl: Workload = workload_of(spans)
     bpt, dpt, bpt_from = bytes_per_token_of(tr, geometry)
@@ -119,7 +159,8 @@ def recommend(spans: pd.DataFrame, *, geometry: Any = None,
         "workload": wl.as_dict(), "prefill_cost": pc.as_dict(), "n_transfers": int(len(tr)),
         "bytes_per_token": bpt, "descriptors_per_token": dpt, "bytes_per_token_from": bpt_from,
         "hbm_budget_gb": hbm_budget_gb, "early_decode_ok": early_decode_ok,
-        "fabric": fabric, "clock_offsets_ns": dict(spans.attrs.get("clock_offsets_ns", {}) or {}),
+        "fabric": fabric, "fit_source": fit_source,
+        "clock_offsets_ns": dict(spans.attrs.get("clock_offsets_ns", {}) or {}),
         "skipped_records": len(spans.attrs.get("skipped", []) or []),
     }
     return Tuning(threshold=thr, ttl=ttl, mode=mode, findings=tuple(findings), fit=fit,

@@ -12,8 +12,18 @@ from kvtune.errors import AnalysisError
 log = logging.getLogger(__name__)
 
 
+def fit_groups(tx: pd.DataFrame) -> dict[str, pd.DataFrame]:
+    """The transfers of each group `fits_by_fabric` fits, by the same keys."""
+    fabric = tx["fabric"].astype("object").where(tx["fabric"].notna(), "(unnamed)")
+    op = tx["op"].astype("object").where(tx["op"].notna(), "?")
+    kind = np.where((tx["mode"].astype("object") == "probe").to_numpy(dtype=bool), "probe",
+                    "serving")
+    return {f"{fab} {o} ({k})": grp
+            for (fab, k, o), grp in tx.groupby([fabric.to_numpy(), kind, op.to_numpy()])}
+
+
 def fits_by_fabric(tx: pd.DataFrame, *, seed: int = 0) -> dict[str, Any]:
-    """One floor fit per fabric (and mode group: probe transfers apart from serving ones).
+    """One floor fit per fabric, NIXL op and kind (probe transfers apart from serving ones).
 
     A group the fit cannot support is reported as the AnalysisError's message instead of a fit."""
     from kvtune.analysis import fit_floor
@@ -22,12 +32,13 @@ def fits_by_fabric(tx: pd.DataFrame, *, seed: int = 0) -> dict[str, Any]:
     if tx.empty:
         return out
     fabric = tx["fabric"].astype("object").where(tx["fabric"].notna(), "(unnamed)")
+    op = tx["op"].astype("object").where(tx["op"].notna(), "?")
     is_probe = (tx["mode"].astype("object") == "probe").to_numpy(dtype=bool)
     kind = np.where(is_probe, "probe", "serving")
-    for (fab, k), grp in tx.groupby([fabric.to_numpy(), kind]):
-        key = f"{fab} ({k})"
+    for (fab, k, o), grp in tx.groupby([fabric.to_numpy(), kind, op.to_numpy()]):
+        key = f"{fab} {o} ({k})"
         try:
-            out[key] = fit_floor(grp.assign(fabric=fab), seed=seed, fabric=fab)
+            out[key] = fit_floor(grp.assign(fabric=fab, op=o), seed=seed, fabric=fab, op=o)
         except AnalysisError as exc:
             out[key] = str(exc)
     return out

@@ -106,11 +106,11 @@ def tiny_geometry() -> Any:
 
 
 def _probe(spans_dir: Path, fabric: str, tokens: Sequence[int], seed: int) -> Any:
-    from kvtune.probe.sweep import ProbeConfig, run_probe
+    from kvtune.probe.sweep import ProbeConfig, run_and_write
 
     cfg = ProbeConfig(geometry=tiny_geometry(), tokens=tuple(tokens), iters=PROBE_ITERS, warmup=2,
                       fabric=fabric, spans_dir=spans_dir, seed=seed, progress=True)
-    return run_probe(cfg)
+    return run_and_write(cfg)  # initiator spans too, not only the target's
 
 
 def _sim(spans_dir: Path, probe: Any, seed: int) -> int:
