@@ -1,13 +1,15 @@
 """Overhead of the fabric probe, measured in one run: median transfer latency at the smallest size
 with kvtune's spans on, with them off, and for a bare NIXL loop that uses no kvtune code at all.
 
-Two targets run in child processes (one writing its ``kv.notify`` spans to a JSON-lines file, one
-without spans); the initiator has a session to each. Rounds interleave the three variants in a
-shuffled order so that load from other work on a shared host falls on all of them alike:
+One target runs in a child process, writing its ``kv.notify`` spans to a JSON-lines file (it makes
+them when the initiator pauses, never while transfers are timed); one initiator session moves the
+same blocks for all three variants (separate targets would differ in what sits in the CPU caches,
+which at this size shows up as a 15% difference between two identical variants). Rounds interleave
+the variants in a shuffled order so that load from other work on a shared host falls on all alike:
 
-- ``spans off``: ``InitiatorSession.transfer`` against the target without spans, nothing recorded;
-- ``spans on``: the same against the target with spans, and ``kv.descriptor_setup``/``kv.rdma``
-  exported through ``kvtune.telemetry`` (batch processor, JSON-lines file), as ``run_probe`` does;
+- ``spans off``: ``InitiatorSession.transfer``, no initiator spans;
+- ``spans on``: the same, then ``kv.descriptor_setup``/``kv.rdma`` for each transfer exported through
+  ``kvtune.telemetry`` (batch processor, JSON-lines file) and flushed, as ``run_probe`` does;
 - ``bare NIXL``: ``make_prepped_xfer`` -> ``transfer`` -> busy ``check_xfer_state`` -> release on
   the same prepared descriptor lists, timed with ``time.perf_counter_ns``.
 
@@ -69,18 +71,16 @@ def main(argv: list[str] | None = None) -> int:
     blocks = g.blocks(args.tokens)
     tmp = Path(tempfile.mkdtemp(prefix="kvtune-bench-probe-"))
     tel = telemetry.setup("probe", json_path=tmp / "initiator.jsonl")  # batch processor, as in use
-    t_on = spawn_local_target(spans_path=tmp / "target.jsonl", fabric="bench")
-    t_off = spawn_local_target(fabric="bench")
+    target = spawn_local_target(spans_path=tmp / "target.jsonl", fabric="bench")
     rng = random.Random(args.seed)
     samples = {v: ([], []) for v in VARIANTS}
     try:
-        with InitiatorSession((t_on.host, t_on.port), g, blocks, tracer=tel.tracer, fabric="bench") as on, \
-                InitiatorSession((t_off.host, t_off.port), g, blocks, tracer=None, fabric="bench") as off:
-            p_on, p_off = on.prepare(args.tokens, args.layout), off.prepare(args.tokens, args.layout)
-            for _ in range(20):  # warm up all three paths
-                on.transfer(args.op, p_on, iteration=0, warmup=True, run_id="bench-warm")
-                off.transfer(args.op, p_off, iteration=0, warmup=True, run_id="bench-warm")
-                bare_transfer(off, p_off, args.op)
+        with InitiatorSession((target.host, target.port), g, blocks, tracer=tel.tracer,
+                              fabric="bench") as sess:
+            point = sess.prepare(args.tokens, args.layout)
+            for _ in range(20):  # warm up both paths
+                sess.transfer(args.op, point, iteration=0, warmup=True, run_id="bench-warm")
+                bare_transfer(sess, point, args.op)
             bar = tqdm(total=args.rounds * len(VARIANTS) * args.per_round, unit="xfer", file=sys.stderr)
             for rnd in range(args.rounds):
                 order = list(VARIANTS)
@@ -89,24 +89,23 @@ def main(argv: list[str] | None = None) -> int:
                     crit, rdma = samples[variant]
                     if variant == "bare NIXL":
                         for _ in range(args.per_round):
-                            c, r = bare_transfer(off, p_off, args.op)
+                            c, r = bare_transfer(sess, point, args.op)
                             crit.append(c)
                             rdma.append(r)
                     else:
-                        sess, point = (on, p_on) if variant == "spans on" else (off, p_off)
                         recs = [sess.transfer(args.op, point, iteration=i, warmup=False,
                                               run_id=f"bench{rnd}") for i in range(args.per_round)]
-                        tracing.emit_transfers(sess.tracer, sess.info, recs)  # as run_probe does
+                        if variant == "spans on":  # as run_probe does after each block
+                            tracing.emit_transfers(tel.tracer, sess.info, recs)
+                            tracing.flush_quietly(tel.force_flush)
                         crit += [r.critical_ms for r in recs]
                         rdma += [r.rdma_ms for r in recs]
                     bar.update(args.per_round)
             bar.close()
-            on.release(p_on)
-            off.release(p_off)
+            sess.release(point)
     finally:
         tel.shutdown()
-        t_on.stop()
-        t_off.stop()
+        target.stop()
 
     med = {v: (statistics.median(c), statistics.median(r)) for v, (c, r) in samples.items()}
     print(f"probe overhead: {args.model}, {args.tokens} tokens = {g.transfer_bytes(args.tokens)} B, "

@@ -8,10 +8,11 @@ import os
 import random
 import time
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from opentelemetry import trace
 from tqdm import tqdm
 
 from kvtune import spans as S
@@ -121,18 +122,21 @@ def default_fabric_name(backend: str, peer: str | None) -> str:
     return f"{backend.lower()}-{tls}-{'local' if peer is None else 'remote'}"
 
 
-def run_probe(config: ProbeConfig, *, tracer=None) -> ProbeSummary:
+def run_probe(config: ProbeConfig, *, tracer=None, flush: Callable[[], object] | None = None) -> ProbeSummary:
     """Run the sweep against ``config.peer`` (or a target in a child process) and fit the floor.
 
     Spans go to ``tracer`` or, when None, to the global provider's ``kvtune.probe`` tracer
-    (nothing is recorded when ``config.spans`` is False).
+    (nothing is recorded when ``config.spans`` is False). They are made after each block of
+    transfers and then ``flush`` is called (default: the global SDK provider's ``force_flush``;
+    pass ``Telemetry.force_flush`` with your own tracer), so exporting spans never runs in a
+    background thread while a transfer is being timed (it would compete for the GIL).
     """
     cfg = config.validated()
-    return _run(cfg, {cfg.fabric: {}}, tracer)[cfg.fabric]
+    return _run(cfg, {cfg.fabric: {}}, tracer, flush)[cfg.fabric]
 
 
 def compare_fabrics(config: ProbeConfig, fabrics: Mapping[str, Mapping[str, str]], *,
-                    tracer=None) -> dict[str, ProbeSummary]:
+                    tracer=None, flush: Callable[[], object] | None = None) -> dict[str, ProbeSummary]:
     """Probe several local fabrics in one run: ``fabrics`` maps a fabric name to the environment
     (e.g. ``{"UCX_TLS": "tcp"}``; ``""`` unsets a variable) its initiator agent and its target
     process get. One target process per fabric, one initiator process; every round interleaves
@@ -143,7 +147,7 @@ def compare_fabrics(config: ProbeConfig, fabrics: Mapping[str, Mapping[str, str]
     if not fabrics:
         raise ConfigError("compare_fabrics: fabrics: expected at least one name -> environment")
     cfg = config.validated()
-    return _run(cfg, {name: dict(env) for name, env in fabrics.items()}, tracer)
+    return _run(cfg, {name: dict(env) for name, env in fabrics.items()}, tracer, flush)
 
 
 @contextlib.contextmanager
@@ -176,11 +180,16 @@ class _Fabric:
     verified: int = 0
 
 
-def _run(cfg: ProbeConfig, fabrics: dict[str, dict[str, str]], tracer) -> dict[str, ProbeSummary]:
+def _run(cfg: ProbeConfig, fabrics: dict[str, dict[str, str]], tracer,
+         flush: Callable[[], object] | None) -> dict[str, ProbeSummary]:
     started = time.monotonic()
     g = cfg.geometry
     capacity_blocks = g.blocks(cfg.tokens[-1])
-    tracer = (tracer or tracing.get_tracer()) if cfg.spans else None
+    if cfg.spans and tracer is None:
+        tracer = tracing.get_tracer()
+        flush = flush or getattr(trace.get_tracer_provider(), "force_flush", None)
+    elif not cfg.spans:
+        tracer = flush = None
     run_id = uuid.uuid4().hex[:8]
     rng = random.Random(cfg.seed)
     opened: list[_Fabric] = []
@@ -215,6 +224,7 @@ def _run(cfg: ProbeConfig, fabrics: dict[str, dict[str, str]], tracer) -> dict[s
             for op in cfg.ops:
                 for layout in cfg.layouts:
                     _sweep_block(opened, cfg, op, layout, run_id, rng, bar, tracer)
+                    tracing.flush_quietly(flush)
         finally:
             bar.close()
         results = {}
@@ -317,7 +327,8 @@ def run_and_write(config: ProbeConfig, *, json_path: str | Path | None = None) -
         except Exception:  # telemetry never breaks the probe
             logger.warning("kvtune probe: span output unavailable; continuing", exc_info=True)
     try:
-        summary = run_probe(config, tracer=tel.tracer if tel is not None else None)
+        summary = run_probe(config, tracer=tel.tracer if tel is not None else None,
+                            flush=tel.force_flush if tel is not None else None)
     finally:
         if tel is not None:
             tel.shutdown()

@@ -41,6 +41,11 @@ DEFAULT_TARGET_MAX_MEM_MB = 4096
 """Largest buffer a target allocates for one initiator."""
 POLL_INTERVAL_S = 0.0005
 """Wait for side-channel input between notification polls (bounds the notify span's lateness)."""
+NOTIFY_QUIET_NS = 50_000_000
+"""Make the pending ``kv.notify`` spans once no notification came for this long (50 ms): span work
+then runs between the initiator's blocks of transfers, not during them."""
+MAX_PENDING_NOTIFS = 4096
+"""...or once this many are pending (bounds memory on a long uninterrupted sweep)."""
 SESSION_IDLE_TIMEOUT_S = 600.0
 """A session with no command and no notification for this long is closed (initiator gone)."""
 COMMAND_TIMEOUT_S = 30.0
@@ -72,6 +77,7 @@ class ProbeTarget:
         self.agent = None
         self.sessions = 0
         self.notifs_received = 0
+        self._pending: list[tuple[bytes, int]] = []
         self._stop = False
 
     @property
@@ -162,6 +168,7 @@ class ProbeTarget:
                                    remote_name, SESSION_IDLE_TIMEOUT_S)
                     return
         finally:
+            self._emit_pending(info)
             buf.release()
             try:
                 self.agent.remove_remote_agent(remote_name)
@@ -170,23 +177,35 @@ class ProbeTarget:
             self.agent = None  # its progress thread ends with it
 
     def _drain_notifs(self, info: tracing.SpanContextInfo) -> int:
+        """Take new notifications (stamping their arrival); their spans are made once the
+        initiator pauses (or the backlog is long), not while it is timing transfers."""
         notifs = self.agent.get_new_notifs()
-        if not notifs:
-            return 0
         now = time.time_ns()
+        if not notifs:
+            if self._pending and (now - self._pending[-1][1] > NOTIFY_QUIET_NS):
+                self._emit_pending(info)
+            return 0
         n = 0
         for msgs in notifs.values():
             for raw in msgs:
                 n += 1
-                try:
-                    notif = json.loads(raw)
-                except (UnicodeDecodeError, json.JSONDecodeError):  # not the probe's (e.g. a bare loop)
-                    logger.debug("kvtune probe target: no span for a non-JSON notification %r", raw[:80])
-                    continue
-                if isinstance(notif, dict) and "t" in notif:
-                    tracing.emit_notify(self.tracer, info, notif, now)
+                if self.tracer is not None:
+                    self._pending.append((raw, now))
         self.notifs_received += n
+        if len(self._pending) >= MAX_PENDING_NOTIFS:
+            self._emit_pending(info)
         return n
+
+    def _emit_pending(self, info: tracing.SpanContextInfo) -> None:
+        pending, self._pending = self._pending, []
+        for raw, received_ns in pending:
+            try:
+                notif = json.loads(raw)
+            except (UnicodeDecodeError, json.JSONDecodeError):  # not the probe's (e.g. a bare loop)
+                logger.debug("kvtune probe target: no span for a non-JSON notification %r", raw[:80])
+                continue
+            if isinstance(notif, dict) and "t" in notif:
+                tracing.emit_notify(self.tracer, info, notif, received_ns)
 
     def _command(self, ch: Channel, msg: dict, buf: RegisteredBuffer, info: tracing.SpanContextInfo,
                  notifs_before: int) -> bool:
@@ -211,6 +230,7 @@ class ProbeTarget:
                 while self.notifs_received - notifs_before < expect and time.monotonic() < deadline:
                     self._drain_notifs(info)
                     time.sleep(POLL_INTERVAL_S)
+                self._emit_pending(info)
                 ch.send({"type": "stats", "notifs": self.notifs_received - notifs_before})
             else:
                 ch.send({"type": "error", "message": f"unknown command {kind!r}"})

@@ -127,6 +127,16 @@ def emit_transfers(tracer: trace.Tracer | None, info: SpanContextInfo,
         logger.warning("kvtune probe: could not record transfer spans", exc_info=True)
 
 
+def flush_quietly(flush) -> None:
+    """Call a span flush hook (e.g. ``Telemetry.force_flush``); failures are logged, not raised."""
+    if flush is None:
+        return
+    try:
+        flush()
+    except Exception:
+        logger.warning("kvtune probe: flushing spans failed", exc_info=True)
+
+
 def emit_handshake(tracer: trace.Tracer | None, info: SpanContextInfo, start_ns: int, end_ns: int,
                    *, error: str | None = None) -> None:
     """``kv.handshake``: the side-channel metadata exchange with the target (first contact)."""
