@@ -8,6 +8,7 @@ workload at a time on a shared machine). One pair per mode per module; each star
 """
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,6 +23,7 @@ from kvtune.connectors.ids import derived_span_context
 pytestmark = pytest.mark.vllm
 
 pytest.importorskip("vllm")
+from kvtune.local import server  # noqa: E402
 from kvtune.local.pair import LocalPair, PairResult, SingleServer  # noqa: E402
 from kvtune.traces import load  # noqa: E402
 
@@ -30,6 +32,8 @@ FAST_EXPORT_ENV = {"OTEL_BSP_SCHEDULE_DELAY": "100"}
 """vLLM kills its engine processes at shutdown without flushing: export spans every 100 ms."""
 SPANS_WAIT_S = 120.0
 """Bound on waiting for a transfer's spans to reach the files (busy 2-core machine)."""
+STARTUP_TIMEOUT_S = 900.0
+"""Bound on a server's start-up here (LocalPair's own default is 300 s)."""
 MAX_TOKENS = 8
 PROMPT = tuple(range(20, 116))       # 96 tokens: several blocks
 PROMPT_2 = tuple(range(300, 380))    # another request, to check the handshake is not repeated
@@ -42,6 +46,15 @@ REVERSE_PHASES = (S.REUSE_DECISION, S.DESCRIPTOR_SETUP, S.RDMA, S.NOTIFY, S.RETE
 
 
 # --- fixtures ---------------------------------------------------------------------------------
+@pytest.fixture(scope="module", autouse=True)
+def patient_startup() -> Iterator[None]:
+    """Servers have needed over 300 s to start at load average 16 on this 2-core machine."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(server, "wait_healthy", functools.partial(server.wait_healthy,
+                                                             timeout_s=STARTUP_TIMEOUT_S))
+        yield
+
+
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("connectors-e2e")

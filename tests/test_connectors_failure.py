@@ -7,6 +7,7 @@ The hooks are made to raise with the test-only ``KVTUNE_TEST_FAIL_HOOKS`` variab
 """
 from __future__ import annotations
 
+import functools
 import re
 import socket
 from collections import Counter
@@ -22,6 +23,7 @@ from kvtune.connectors.observer import ENV_FAIL_HOOKS, Emitter
 WARNING_TEXT = "kvtune: instrumentation hook"
 FAILING_HOOKS = "scheduler.meta,scheduler.finished,worker.read,worker.notify"
 """Hooks on the engine loop of both schedulers and both workers (pull mode)."""
+STARTUP_TIMEOUT_S = 900.0
 MAX_TOKENS = 8
 PROMPTS = (tuple(range(40, 130)), tuple(range(700, 760)))
 
@@ -50,6 +52,17 @@ def test_dead_otlp_endpoint_does_not_raise_in_process() -> None:
 
 @pytest.mark.vllm
 class TestServingSurvivesTelemetryFailures:
+    @pytest.fixture(scope="class", autouse=True)
+    def patient_startup(self) -> Iterator[None]:
+        """Servers have needed over 300 s to start at load average 16 on this 2-core machine."""
+        pytest.importorskip("vllm")
+        from kvtune.local import server
+
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(server, "wait_healthy", functools.partial(server.wait_healthy,
+                                                                 timeout_s=STARTUP_TIMEOUT_S))
+            yield
+
     @pytest.fixture(scope="class")
     def workdir(self, tmp_path_factory: pytest.TempPathFactory) -> Path:
         return tmp_path_factory.mktemp("connectors-failure")
