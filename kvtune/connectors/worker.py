@@ -230,9 +230,11 @@ class KvtunePullWorker(_WorkerHooks, NixlPullConnectorWorker):
         return expired
 
     def _kvt_on_turn2(self, meta: Any, expired: bool) -> None:
+        if self._kvt_role is not spans.Role.PREFILL:
+            return  # the decode's own (forward) reads pass the same expiry check
         rid = self._kvt_cur_req
         info = self._kvt_reqs.get(rid) if rid is not None else None
-        if rid is None or info is None or info.mark_ns is None:
+        if info is None or info.mark_ns is None or info.remote_base_id is None:
             return
         base = info.remote_base_id or base_request_id(meta.remote.request_id)
         outcome = spans.ReuseOutcome.EXPIRED if expired else spans.ReuseOutcome.PULL
