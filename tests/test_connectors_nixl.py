@@ -315,3 +315,33 @@ def test_prefill_lease_expiry_is_a_failed_notify(
     (span,) = exporter.get_finished_spans()
     assert span.name == spans.SpanName.NOTIFY.value
     assert span.attributes[spans.ERROR_TYPE] == LEASE_EXPIRED and not span.status.is_ok
+
+
+def test_turn2_expiry_check_decides_pull_or_expired_only_on_the_prefill(
+        worker_factory: Callable[..., Any], exporter: InMemorySpanExporter,
+        peers: tuple[Peer, Peer, Any, Any]) -> None:
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import RemoteMeta, ReqMeta
+
+    _, target, _, _ = peers
+    rid = "cmpl-turn2-0-77777777"
+    meta = ReqMeta(local_block_ids=([1],), local_physical_block_ids=([1],), tp_size=1,
+                   remote=RemoteMeta(block_ids=([4],), host="127.0.0.1", port=1,
+                                     engine_id="eng-d", request_id="cmpl-turn1-0-88888888"))
+    info = ReqTrace(rid, "turn2", "", remote_base_id="turn1", mark_ns=time.time_ns(),
+                    remote_tokens=150, threshold_tokens=64)
+    outcomes = []
+    for role in (spans.Role.DECODE, spans.Role.PREFILL, spans.Role.PREFILL):
+        w = worker_factory(target.agent, role, spans.Mode.BIDIRECTIONAL)
+        w._kvt_reqs[rid] = info
+        w._kvt_cur_req = rid  # as inside vLLM's _read_blocks_for_req
+        expired = len(outcomes) == 2
+        w._kvt_on_turn2(meta, expired)
+        outcomes.append(expired)
+    got = [s for s in exporter.get_finished_spans()]
+    assert [s.attributes[spans.REUSE_OUTCOME] for s in got] == [
+        spans.ReuseOutcome.PULL.value, spans.ReuseOutcome.EXPIRED.value]  # none from the decode
+    for s in got:
+        assert s.attributes[spans.ROLE] == spans.Role.PREFILL.value
+        assert s.attributes[spans.TRANSFER_ID] == spans.transfer_id("turn1", spans.Direction.REVERSE)
+        assert s.context.trace_id == derived_span_context("turn1").trace_id
+        assert s.attributes[spans.REUSE_REMOTE_TOKENS] == 150
