@@ -213,3 +213,13 @@ def test_saved_tempo_bodies_load_as_files() -> None:
     assert set(v1["trace_id"]) == {"0af7651916cd43dd8448eb211c80319c"}
     v2 = load(FIXTURES / "tempo_v2_trace.json")
     assert list(v2["name"]) == [spans.SpanName.NOTIFY.value] and v2[spans.TURN].iloc[0] == 2
+
+
+def test_load_restores_garbage_collection(tmp_path: Path) -> None:
+    import gc
+    assert gc.isenabled()
+    load(COLLECTOR)
+    assert gc.isenabled()
+    with pytest.raises(TraceFormatError):
+        load(_bad_file(tmp_path, '{"resourceSpans": ['))
+    assert gc.isenabled()
