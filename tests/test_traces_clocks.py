@@ -164,3 +164,13 @@ def test_sent_ns_sender_found_by_engine_id_without_rdma(tmp_path: Path) -> None:
     # received (decode clock) = true + o_d >= sent (prefill clock) => o_d - o_p <= 0.5 - 2 ms
     assert est.bounds_ns[(DECODE, PREFILL)] == (1_500_000, None)
     assert est.offsets_ns == {PREFILL: 0, ROUTER: 0, DECODE: -1_500_000}
+
+
+def test_retention_outliving_its_request_does_not_skew_clocks(tmp_path: Path) -> None:
+    out = _write_requests(tmp_path, {h: 0 for h in TRUE_OFFSET_NS}, n=2)
+    t0 = 1_700_000_000 * 10**9
+    _write(out / "decode.jsonl", DECODE, spans.Role.DECODE, [  # retained 30 s past the request
+        _span(DECODE, f"{1:032x}", "0001000000000077", "0001000000000000", spans.SpanName.RETENTION,
+              t0 + 99 * MS, t0 + 30_000 * MS, {h: 0 for h in TRUE_OFFSET_NS})])
+    df = load(out)
+    assert df.attrs["clock_offsets_ns"] == {ROUTER: 0, PREFILL: 0, DECODE: 0}

@@ -8,7 +8,8 @@ Causal pairs bound the difference ``d = o_B - o_A`` of two hosts:
     sender's ``kv.notify.sent_ns`` when present (sender = the rdma span's host, else the host whose
     ``kv.engine_id`` is the notify span's ``kv.remote_engine_id``): ``o_T - o_I <= notify.end - sent``;
 (b) a child span on host B of a parent on host A starts after the parent starts and ends before
-    it ends: ``c.end - p.end <= o_B - o_A <= c.start - p.start``.
+    it ends: ``c.end - p.end <= o_B - o_A <= c.start - p.start`` (only the start for the spans in
+    :data:`OUTLIVES_PARENT`).
 
 The least correction is chosen: the reference host (the router's, else the one with most spans)
 stays at 0, and each other host, in order of span count, takes the offset nearest 0 that keeps
@@ -28,6 +29,10 @@ from kvtune import spans
 _logger = logging.getLogger(__name__)
 
 Pair = tuple[str, str]
+
+OUTLIVES_PARENT = frozenset({spans.SpanName.RETENTION.value})
+"""Span names that may end after their parent (retained blocks live on after the request):
+only their start bounds the clock offset."""
 
 
 @dataclass(frozen=True)
@@ -96,7 +101,10 @@ def _parent_child_bounds(df: pd.DataFrame, host: np.ndarray) -> pd.DataFrame:
     c, p = c[keep], p[keep]
     start = df["start_ns"].to_numpy()
     end = df["end_ns"].to_numpy()
-    return _bounds_frame(host[p], host[c], end[c] - end[p], start[c] - start[p])
+    lo = (end[c] - end[p]).astype(np.float64)
+    outlives = np.isin(df["name"].to_numpy(dtype=object)[c], list(OUTLIVES_PARENT))
+    lo[outlives] = -math.inf  # only "starts after the parent starts" holds for these
+    return _bounds_frame(host[p], host[c], lo, start[c] - start[p])
 
 
 def _notify_bounds(df: pd.DataFrame, host: np.ndarray) -> pd.DataFrame:
