@@ -293,3 +293,39 @@ def test_client_reports_http_errors_with_status_and_body(standin_url):
     with pytest.raises(client.HttpError) as err:
         client.get("http://127.0.0.1:1", "/health", timeout_s=5)
     assert err.value.status is None
+
+
+# --- CLI -----------------------------------------------------------------------------------------
+LOCAL_CLI = (("local", "kvtune.local.cli"),)
+
+
+def test_cli_run_parses_and_calls_the_session_function(monkeypatch, tmp_path, capsys):
+    from kvtune import cli
+    from kvtune.local import session
+
+    calls = []
+
+    def fake_session(mode, **kwargs):
+        calls.append((mode, kwargs))
+        summary = session.SessionSummary(mode, kwargs["connector"], 4, 0, 10.0, 5.0, None, None)
+        return summary, []
+
+    monkeypatch.setattr(session, "run_local_session", fake_session)
+    rc = cli.main(["local", "run", "--mode", "bidirectional", "--connector", "vllm",
+                   "--workdir", str(tmp_path), "--conversations", "3", "--seed", "5",
+                   "--time-scale", "0", "--ttl-s", "60", "--recompute-threshold", "16"],
+                  modules=LOCAL_CLI)
+    assert rc == 0
+    (mode, kwargs), = calls
+    assert mode == "bidirectional" and kwargs["connector"] == "vllm"
+    assert kwargs["config"].n_conversations == 3 and kwargs["config"].seed == 5
+    assert kwargs["time_scale"] == 0.0 and kwargs["ttl_s"] == 60.0
+    assert kwargs["recompute_threshold"] == 16
+    assert json.loads(capsys.readouterr().out)["n_requests"] == 4
+
+
+def test_cli_rejects_an_unknown_mode(capsys):
+    from kvtune import cli
+    with pytest.raises(SystemExit):
+        cli.main(["local", "run", "--mode", "sideways", "--workdir", "x"], modules=LOCAL_CLI)
+    assert "sideways" in capsys.readouterr().err
