@@ -21,7 +21,6 @@ from kvtune import spans
 from kvtune.connectors.ids import derived_span_context
 from kvtune.connectors.nixl_agent import ObservedNixlAgent
 from kvtune.connectors.observer import (
-    BoundedDict,
     Emitter,
     HookGuard,
     ReqTrace,

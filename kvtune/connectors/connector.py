@@ -8,7 +8,6 @@ are exactly vLLM's connectors (a warning says so), or they refuse to start when
 """
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
@@ -21,8 +20,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import (
 from kvtune.connectors import compat
 from kvtune.connectors.scheduler import KvtunePullScheduler, KvtunePushScheduler
 from kvtune.connectors.worker import KvtunePullWorker, KvtunePushWorker
-
-_logger = logging.getLogger("kvtune.connectors")
 
 
 def _instrument(vllm_config: Any) -> bool:

@@ -30,7 +30,6 @@ from opentelemetry.trace import SpanContext, Status, StatusCode, Tracer
 
 from kvtune import spans
 from kvtune.connectors.ids import (
-    base_request_id,
     context_of,
     derived_span_context,
     format_traceparent,
@@ -353,7 +352,3 @@ def request_attrs(info: ReqTrace | None) -> dict[str, Any]:
     if info is None:
         return {}
     return {spans.CONVERSATION_ID: info.conversation_id, spans.TURN: info.turn}
-
-
-def base_of(request_id: str) -> str:
-    return base_request_id(request_id)

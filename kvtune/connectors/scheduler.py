@@ -127,7 +127,6 @@ class _SchedulerHooks:
         super().shutdown()
         GUARD.run("scheduler.shutdown", lambda: self._kvt.flush())
 
-
     # --- state ------------------------------------------------------------------------------
     def _kvt_state(self, request: Request) -> _ReqState:
         st = self._kvt_reqs.get(request.request_id)
