@@ -92,7 +92,13 @@ def push_pair(workdir: Path, reference: Any) -> Iterator[LocalPair]:
 
 @pytest.fixture(scope="module")
 def bidi_pair(workdir: Path, reference: Any) -> Iterator[LocalPair]:
-    yield from _pair("bidirectional", workdir)
+    for pair in _pair("bidirectional", workdir):
+        # A two-turn warm-up: the prefill's first contact with the decode (its NIXL handshake, which
+        # vLLM bounds by a 5 s receive timeout) happens here rather than inside the test.
+        warm = tuple(range(900, 1000))
+        first = pair.complete(list(warm), 2, conversation="warm-up")
+        pair.complete(list(warm + first.token_ids + warm[:40]), 2, conversation="warm-up")
+        yield pair
 
 
 # --- helpers ----------------------------------------------------------------------------------
