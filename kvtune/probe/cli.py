@@ -6,6 +6,7 @@ import json
 import sys
 from pathlib import Path
 
+from kvtune import telemetry
 from kvtune.errors import ConfigError
 from kvtune.geometry import PRESETS, from_hf_config, preset
 from kvtune.probe.agent import DEFAULT_BACKEND
@@ -40,7 +41,9 @@ def register(subparsers) -> None:
     r.add_argument("--fabric", default="", help="a name for this fabric, recorded on every span")
     r.add_argument("--max-mem-mb", type=int, default=DEFAULT_MAX_MEM_MB,
                    help="cap on each side's probe buffer in MiB (limits the largest point)")
-    r.add_argument("--spans", type=Path, metavar="DIR", help="write both sides' spans (OTLP-JSON lines) here")
+    r.add_argument("--spans", type=Path, metavar="DIR",
+                   help="write both sides' spans (OTLP-JSON lines) here (OTEL_EXPORTER_OTLP_ENDPOINT "
+                        "and KVTUNE_SPANS_DIR are honoured too)")
     r.add_argument("--json", type=Path, metavar="OUT", help="write the summary as JSON here")
     r.add_argument("--xfer-timeout-s", type=float, default=DEFAULT_XFER_TIMEOUT_S,
                    help="a transfer not complete after this long fails the run")
@@ -93,7 +96,8 @@ def run(args: argparse.Namespace) -> int:
     config = ProbeConfig(geometry=geometry, tokens=tuple(args.tokens) if args.tokens else None,
                          ops=tuple(args.ops), layouts=tuple(args.layout), iters=args.iters,
                          warmup=args.warmup, peer=args.peer, backend=args.backend, fabric=args.fabric,
-                         max_mem_mb=args.max_mem_mb, spans=args.spans is not None,
+                         max_mem_mb=args.max_mem_mb,
+                         spans=args.spans is not None or telemetry.configured_by_env(),
                          spans_dir=args.spans, verify=not args.no_verify,
                          xfer_timeout_s=args.xfer_timeout_s, seed=args.seed,
                          progress=not args.no_progress)

@@ -316,14 +316,18 @@ def _fit(op: str, records: Sequence[tracing.TransferRecord], cfg: ProbeConfig, f
 
 
 def run_and_write(config: ProbeConfig, *, json_path: str | Path | None = None) -> ProbeSummary:
-    """:func:`run_probe` with the initiator's spans written to ``config.spans_dir`` (when set and
-    ``config.spans``) and the summary to ``json_path``."""
+    """:func:`run_probe` with the initiator's spans exported by ``kvtune.telemetry`` (to
+    ``config.spans_dir`` when set, and wherever the ``OTEL_*``/``KVTUNE_SPANS_DIR`` variables say)
+    when ``config.spans``, and the summary written to ``json_path``."""
     tel = None
-    if config.spans and config.spans_dir is not None:
+    if config.spans:
         try:
             from kvtune import telemetry
-            Path(config.spans_dir).mkdir(parents=True, exist_ok=True)
-            tel = telemetry.setup("probe", json_path=Path(config.spans_dir) / INITIATOR_SPANS_FILE)
+            json_path_spans = None
+            if config.spans_dir is not None:
+                Path(config.spans_dir).mkdir(parents=True, exist_ok=True)
+                json_path_spans = Path(config.spans_dir) / INITIATOR_SPANS_FILE
+            tel = telemetry.setup("probe", json_path=json_path_spans)
         except Exception:  # telemetry never breaks the probe
             logger.warning("kvtune probe: span output unavailable; continuing", exc_info=True)
     try:

@@ -338,12 +338,13 @@ def serve(bind: str = "127.0.0.1", port: int = DEFAULT_PORT, *, backend: str = D
           announce=None) -> int:
     """Run a probe target until interrupted (or ``max_sessions`` sessions); ``announce`` gets the
     ``READY_PREFIX HOST:PORT`` line once it listens. Spans go to ``spans_file`` (a JSON-lines file
-    or a directory) when given. Returns the number of sessions served."""
+    or a directory) when given, and where the ``OTEL_*``/``KVTUNE_SPANS_DIR`` variables say.
+    Returns the number of sessions served."""
     tel = None
     tracer = None
-    if spans_file is not None:
+    from kvtune import telemetry
+    if spans_file is not None or telemetry.configured_by_env():
         try:
-            from kvtune import telemetry
             tel = telemetry.setup("probe", json_path=spans_file)
             tracer = tel.tracer
         except Exception:  # telemetry never stops the probe
