@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.metadata
+import itertools
 import logging
 import os
 import socket
@@ -28,9 +29,14 @@ def nixl_version() -> str:
     return ""
 
 
+_AGENTS = itertools.count()
+
+
 def agent_name(side: str) -> str:
-    """A unique, readable agent name: ``probe-<side>-<host>-<pid>``."""
-    return f"probe-{side}-{socket.gethostname()}-{os.getpid()}"
+    """A unique, readable agent name: ``probe-<side>-<host>-<pid>`` (``-<n>`` for later ones in
+    the same process)."""
+    n = next(_AGENTS)
+    return f"probe-{side}-{socket.gethostname()}-{os.getpid()}" + (f"-{n}" if n else "")
 
 
 def make_agent(name: str, backend: str = DEFAULT_BACKEND):

@@ -154,7 +154,11 @@ def emit_handshake(tracer: trace.Tracer | None, info: SpanContextInfo, start_ns:
 
 
 def emit_notify(tracer: trace.Tracer | None, info: SpanContextInfo, notif: dict, received_ns: int) -> None:
-    """``kv.notify`` (target side, point-like) for one parsed notification message."""
+    """``kv.notify`` (target side, point-like) for one parsed notification message.
+
+    ``kv.notify.sent_ns`` is the initiator's clock when it posted the transfer: NIXL sends the
+    notification after the data, so the true send time is later; as a lower bound it still serves
+    the causal check (a notification cannot arrive before it was sent) used to align clocks."""
     if tracer is None:
         return
     try:
