@@ -16,6 +16,7 @@ from kvtune.local.metrics import PromptTokenSources
 from kvtune.local.pair import LocalPair
 from kvtune.local.reference import STANDARD_MAX_TOKENS, standard_conversations, standard_reference
 from kvtune.local.tiny_model import make_tiny_model
+from kvtune.local.workload import PairTarget, WorkloadConfig, generate, run_workload
 
 pytestmark = pytest.mark.vllm
 
@@ -108,3 +109,20 @@ def test_new_conversation_after_forget_starts_fresh(pair, reference):
     p_delta = wait_sources(pair.prefill_prompt_sources, p1, len(prompts[1]))
     assert result.token_ids == reference.conversation_outputs[0][1]
     assert p_delta.external_kv_transfer_tokens == 0  # nothing offered: no reverse pull
+
+
+def test_multi_turn_workload_through_the_pair(pair):
+    config = WorkloadConfig(n_conversations=2, turns=(2, 2), system_prompt_tokens=32,
+                            first_user_tokens=(40, 60), follow_up_tokens=(10, 20),
+                            output_tokens=(4, 8), think_time_s=(0.5, 1.0), seed=3)
+    plans = generate(config)
+    before = pair.prefill_prompt_sources()
+    results = run_workload(plans, PairTarget(pair), time_scale=0.2, progress=False)
+    assert len(results) == 4 and all(r.ok for r in results), [r.error for r in results]
+    for r in results:
+        assert r.output_tokens == next(t.max_tokens for p in plans
+                                       if p.conversation_id == r.conversation_id
+                                       for t in p.turns if t.turn == r.turn)
+    # Second turns were offered the decode's blocks and pulled history back.
+    delta = pair.prefill_prompt_sources() - before
+    assert delta.external_kv_transfer_tokens > 0
