@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -85,8 +86,16 @@ def _str_list(value: str) -> list[str]:
     return [x.strip() for x in value.split(",") if x.strip()]
 
 
+def _quiet_nixl(args: argparse.Namespace) -> None:
+    """NIXL's Python logger prints INFO lines to stdout; keep them out of the probe's output
+    (here and in its child processes) unless ``kvtune -v`` or ``NIXL_LOG_LEVEL`` asks for them."""
+    if not getattr(args, "verbose", False):
+        os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")  # NIXL spells it WARN
+
+
 def run(args: argparse.Namespace) -> int:
     from kvtune.probe.sweep import ProbeConfig, run_and_write
+    _quiet_nixl(args)
     if args.config is not None:
         geometry = from_hf_config(args.config, args.tp, block_size_tokens=args.block_size)
     else:
@@ -108,6 +117,7 @@ def run(args: argparse.Namespace) -> int:
 
 def serve(args: argparse.Namespace) -> int:
     from kvtune.probe.target import serve as serve_target
+    _quiet_nixl(args)
     serve_target(args.bind, args.port, backend=args.backend, max_mem_mb=args.max_mem_mb,
                  fabric=args.fabric, spans_file=args.spans_file or args.spans,
                  max_sessions=args.max_sessions)

@@ -47,10 +47,10 @@ def default_tokens(min_tokens: int = DEFAULT_MIN_TOKENS,
 
 @dataclass(frozen=True)
 class ProbeConfig:
-    """What to sweep and where. ``peer`` None starts a target in a spawned child on this host.
+    """What to sweep and where. ``peer`` None starts a target in a child process on this host.
 
     ``tokens`` None sweeps :func:`default_tokens` within ``max_mem_mb``; explicit ``tokens`` that do
-    not fit are an error. ``spans_dir``: where a locally spawned target writes its spans (the
+    not fit are an error. ``spans_dir``: where a local target (child process) writes its spans (the
     initiator's go to the caller's tracer provider; the CLI sets one up in the same directory).
     """
 
