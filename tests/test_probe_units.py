@@ -147,6 +147,7 @@ def test_cli_run_parses_and_calls_one_library_function(monkeypatch, tmp_path, ca
     def fake(config, *, json_path=None):
         seen["config"], seen["json"] = config, json_path
         return _summary()
+    monkeypatch.setenv("NIXL_LOG_LEVEL", "WARN")  # the CLI would set it process-wide otherwise
     monkeypatch.setattr(sweep, "run_and_write", fake)
     cfg_json = tmp_path / "config.json"
     cfg_json.write_text(json.dumps({"num_hidden_layers": 4, "num_key_value_heads": 2,
@@ -163,7 +164,8 @@ def test_cli_run_parses_and_calls_one_library_function(monkeypatch, tmp_path, ca
     assert "floor" not in capsys.readouterr().err
 
 
-def test_cli_errors_are_reported_not_raised(capsys):
+def test_cli_errors_are_reported_not_raised(capsys, monkeypatch):
+    monkeypatch.setenv("NIXL_LOG_LEVEL", "WARN")
     assert main(["probe", "run", "--model", "qwen3-32b", "--tokens", "999999", "--max-mem-mb", "1",
                  "--no-progress"]) == 2
     assert "max_mem_mb" in capsys.readouterr().err
