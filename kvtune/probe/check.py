@@ -22,6 +22,8 @@ CHECK_TIMEOUT_S = 180.0
 RDMA_TRANSPORTS = ("rc", "dc", "ud", "srd", "gga", "ib")
 """UCX transport-name prefixes that move data by RDMA (rc_mlx5, dc_mlx5, ud_verbs, srd (EFA), ...)."""
 TCP_TRANSPORT = "tcp"
+SHM_TRANSPORTS = ("cma", "posix", "sysv", "xpmem", "knem")
+"""UCX intra-node (shared-memory and cross-memory-attach) transports."""
 _UCX_CFG = re.compile(r"ucp_worker\.c:\d+\s+UCX\s+INFO\s+(\S+)\s+(intra-node|inter-node)\s+cfg#\d+\s+(.*)$")
 _UCX_VERSION = re.compile(r"UCX\s+INFO\s+Version\s+(\S+)")
 _LANE = re.compile(r"(\w+)\(([^)]*)\)")
@@ -82,7 +84,10 @@ class ReadinessReport:
         lines.append(f"UCX_TLS: {self.ucx_tls or '(unset: UCX chooses)'}")
         lines.append(f"test transfer (READ+WRITE, bytes checked): "
                      f"{'ok' if self.transfer_ok else 'FAILED: ' + self.transfer_error}")
-        kind = "RDMA" if self.rdma_used else ("TCP" if self.tcp_used else "no RDMA")
+        shm = [t for t in self.transports if t in SHM_TRANSPORTS]
+        kind = ("RDMA" if self.rdma_used else
+                " + ".join((["shared memory (" + ", ".join(shm) + ")"] if shm else [])
+                           + (["TCP"] if self.tcp_used else [])) or "no RDMA")
         lines.append(f"UCX transports selected: {', '.join(self.transports) or 'unknown'} ({kind}); "
                      f"lanes: {' '.join(self.lanes) or '-'}")
         lines.append(f"RDMA devices: {', '.join(self.rdma_devices) or 'none'}")
