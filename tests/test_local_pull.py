@@ -1,6 +1,7 @@
 """A real vLLM prefill/decode pair on CPU in pull mode: KV moves, outputs match a single instance.
 
-Run under the vLLM lock: ``flock /tmp/kvt/vllm.lock .venv/bin/python -m pytest tests/test_local_pull.py``.
+Run under the vLLM lock:
+``flock /tmp/kvt/vllm.lock .venv/bin/python -m pytest tests/test_local_pull.py``.
 The connector is vLLM's own unless ``KVTUNE_LOCAL_TEST_CONNECTOR=kvtune`` (kvtune's instrumented
 subclasses are tested end to end in ``tests/test_connectors*.py``).
 """

@@ -1,7 +1,8 @@
 """A real vLLM prefill/decode pair on CPU in push mode: the prefill WRITEs the prompt's KV into the
 decode's blocks, and outputs match a single instance.
 
-Run under the vLLM lock: ``flock /tmp/kvt/vllm.lock .venv/bin/python -m pytest tests/test_local_push.py``.
+Run under the vLLM lock:
+``flock /tmp/kvt/vllm.lock .venv/bin/python -m pytest tests/test_local_push.py``.
 The connector is vLLM's own unless ``KVTUNE_LOCAL_TEST_CONNECTOR=kvtune`` (kvtune's instrumented
 subclasses are tested end to end in ``tests/test_connectors*.py``).
 """

@@ -1,5 +1,6 @@
 """The multi-turn workload: deterministic generation, and the driver against a real loopback HTTP
-server standing in for vLLM/the router (growing history with the real outputs, headers, failures)."""
+server standing in for vLLM or the router (growing history with real outputs, headers, failures).
+"""
 from __future__ import annotations
 
 import json

@@ -59,7 +59,8 @@ def get(url: str, path: str, *, timeout_s: float = 10.0) -> tuple[int, str]:
 
 def complete(url: str, body: Mapping[str, Any], *, headers: Mapping[str, str] | None = None,
              timeout_s: float = 300.0) -> CompletionResponse:
-    """POST ``/v1/completions``; streams when ``body["stream"]`` is true (to time the first token)."""
+    """POST ``/v1/completions``; streams when ``body["stream"]`` is true (to time the first
+    token)."""
     conn, base = _connection(url, timeout_s)
     hdrs = {"Content-Type": "application/json", **(headers or {})}
     stream = bool(body.get("stream"))

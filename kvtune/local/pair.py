@@ -274,7 +274,8 @@ class LocalPair(_Servers):
     def _require(self, name: str) -> VllmServer:
         srv = self.prefill if name == "prefill" else self.decode
         if srv is None or srv.proc is None:
-            raise LocalPairError(f"LocalPair: {name} server not running (use 'with LocalPair(...)')")
+            raise LocalPairError(f"LocalPair: {name} server not running "
+                                 "(use 'with LocalPair(...)')")
         return srv
 
     # --- lifecycle -----------------------------------------------------------------------------
@@ -318,8 +319,8 @@ class LocalPair(_Servers):
         threshold). A handshake waits only 5 s for the peer's metadata (vLLM's ``RCVTIMEO``), so on
         a loaded machine the first contact can fail with HTTP 500 (see ``kvtune/local/README.md``):
         retried here, bounded, each failure logged."""
-        threshold = (self.recompute_threshold if self.recompute_threshold is not None
-                     else VLLM_DEFAULT_RECOMPUTE_THRESHOLD)
+        extra = self.kv_transfer_config("prefill")["kv_connector_extra_config"]
+        threshold = int(extra.get("kv_recompute_threshold", VLLM_DEFAULT_RECOMPUTE_THRESHOLD))
         # Turn 1's prompt (24 tokens) fills no 128-token block, so the prefill's own prefix cache
         # holds none of the history and it must pull prompt + output - 1 >= threshold tokens.
         turn1_tokens = min(max(threshold, 1) + 8, WARMUP_MAX_OUTPUT_TOKENS)
