@@ -1,11 +1,17 @@
 """Overhead of kvtune's instrumented connectors on vLLM's engine loop, measured in one run.
 
-For each mode, a real CPU prefill/decode pair runs the same requests twice: once with vLLM's own
-NIXL connector and once with kvtune's subclass (exporting spans to JSON-lines files, as in use).
-Prints TTFT and decode step time (median and p90 per connector) and the kvtune/vLLM ratios
-(aim: <= 1.02). The two pairs run one after the other on the same cores (a 2-core machine cannot
-hold both at once), so the ratio also carries the machine's drift between the runs.
+Two measurements, printed as kvtune/vLLM ratios (aim: <= 1.02):
 
+1. ``--micro`` (no engines): the scheduler-side connector work vLLM does on every engine step and
+   for every request, on vLLM's real scheduler classes in this process, kvtune's subclass against
+   vLLM's own, alternating in blocks so that drift cancels. Spans go to a JSON-lines file through
+   the batch processor, as in use.
+2. For each mode, a real CPU prefill/decode pair runs the same requests with vLLM's own NIXL
+   connector and then with kvtune's subclass: TTFT and decode step time (median, p90). The two
+   pairs run one after the other on the same cores (a 2-core machine cannot hold both), so on a
+   shared machine this ratio mostly carries the load's drift between the runs.
+
+    .venv/bin/python bench/connectors.py --micro
     flock /tmp/kvt/vllm.lock .venv/bin/python bench/connectors.py --modes pull,push --requests 20
 """
 from __future__ import annotations
@@ -14,8 +20,11 @@ import argparse
 import statistics
 import sys
 import tempfile
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from tqdm import tqdm
 
@@ -56,14 +65,94 @@ def _p(values: list[float], q: float) -> float:
     return statistics.quantiles(values, n=100)[int(q) - 1] if len(values) > 1 else values[0]
 
 
+def _timed(fn: Callable[[], None], n: int) -> float:
+    t0 = time.perf_counter_ns()
+    for _ in range(n):
+        fn()
+    return (time.perf_counter_ns() - t0) / n
+
+
+def micro(steps: int = 20000, requests: int = 2000, blocks: int = 10) -> None:
+    """Per-step and per-request scheduler-side cost, kvtune vs vLLM, in this process."""
+    import torch
+    from vllm import SamplingParams
+    from vllm.config import KVTransferConfig, VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_scheduler import (
+        NixlPullConnectorScheduler,
+    )
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request, RequestStatus
+
+    from kvtune import telemetry
+    from kvtune.connectors.observer import Emitter
+    from kvtune.connectors.scheduler import KvtunePullScheduler
+
+    cfg = VllmConfig(kv_transfer_config=KVTransferConfig(
+        kv_connector="KvtuneNixlPullConnector", kv_connector_module_path="kvtune.connectors",
+        kv_role="kv_producer", engine_id="bench-p"))
+    spec = FullAttentionSpec(block_size=128, num_kv_heads=2, head_size=64, dtype=torch.bfloat16)
+    kcc = KVCacheConfig(num_blocks=64, kv_cache_tensors=[],
+                        kv_cache_groups=[KVCacheGroupSpec(layer_names=["l0"], kv_cache_spec=spec)])
+    out_dir = Path(tempfile.mkdtemp(prefix="kvtune-bench-micro-"))
+    tel = telemetry.setup("prefill", json_path=out_dir)
+    vllm_s = NixlPullConnectorScheduler(cfg, "bench-p", kcc)
+    kvt_s = KvtunePullScheduler(cfg, "bench-p", kcc)
+    kvt_s._kvt_init(Emitter(kvt_s._kvt.role, kvt_s._kvt.mode, "bench-p", tracer=tel.tracer,
+                            telemetry=tel))
+    empty_out, empty_conn = SchedulerOutput.make_empty(), KVConnectorOutput()
+
+    def step(s: Any) -> Callable[[], None]:
+        def run() -> None:
+            s.build_connector_meta(empty_out)
+            s.update_connector_output(empty_conn)
+        return run
+
+    counter = [0]
+
+    def lifecycle(s: Any) -> Callable[[], None]:
+        def run() -> None:
+            counter[0] += 1
+            req = Request(f"cmpl-bench{counter[0]}-0-0a1b2c3d", list(range(256)),
+                          SamplingParams(max_tokens=1,
+                                         extra_args={"kv_transfer_params": {"do_remote_decode": True}}),
+                          None)
+            s.get_num_new_matched_tokens(req, 0)
+            s.update_state_after_alloc(req, None, 0)
+            req.status = RequestStatus.FINISHED_LENGTH_CAPPED
+            s.request_finished(req, ([1, 2],))
+            s.build_connector_meta(empty_out)
+        return run
+
+    results: dict[str, dict[str, list[float]]] = {"step": {"vllm": [], "kvtune": []},
+                                                 "request": {"vllm": [], "kvtune": []}}
+    for _ in range(blocks):
+        for name, s in (("vllm", vllm_s), ("kvtune", kvt_s)):
+            results["step"][name].append(_timed(step(s), steps // blocks))
+            results["request"][name].append(_timed(lifecycle(s), requests // blocks))
+    tel.force_flush()
+    print(f"\nmicro (scheduler side, in-process, {blocks} alternating blocks; spans -> {out_dir})")
+    for what, per in results.items():
+        v, k = statistics.median(per["vllm"]), statistics.median(per["kvtune"])
+        print(f"per {what:<8} vllm {v / 1000:8.2f} us   kvtune {k / 1000:8.2f} us   "
+              f"extra {(k - v) / 1000:7.2f} us   ratio {k / v:.3f}")
+    tel.shutdown()
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--micro", action="store_true",
+                    help="only the in-process scheduler-side measurement (no engines)")
     ap.add_argument("--modes", default="pull", help="comma-separated: pull, push")
     ap.add_argument("--requests", type=int, default=20)
     ap.add_argument("--prompt-tokens", type=int, default=256)
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--workdir", default=None)
     args = ap.parse_args(argv)
+    if args.micro:
+        micro()
+        return 0
     root = Path(args.workdir or tempfile.mkdtemp(prefix="kvtune-bench-connectors-"))
     for mode in [m.strip() for m in args.modes.split(",") if m.strip()]:
         results = {c: run_pair(mode, c, root / mode / c, args.requests, args.prompt_tokens,
