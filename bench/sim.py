@@ -62,7 +62,8 @@ def main() -> None:
             print(f"{ctx:>6} tokens, {'reuse   ' if reuse else 'no reuse'}: {got:6.0f} "
                   f"(published {table[ctx]:.0f}, ratio {got / table[ctx]:.2f})")
     for name, (tokens, qps, published) in P.PUBLIC_PUSH_PULL.items():
-        p50 = {m: simulate(P.push_pull_scenario(m, tokens, qps)).ttft().p50_ms for m in ("push", "pull")}
+        p50 = {m: simulate(P.push_pull_scenario(m, tokens, qps)).ttft(warmup_s=P.PUSH_PULL_WARMUP_S).p50_ms
+               for m in ("push", "pull")}
         print(f"{tokens:>6} tokens @ {qps:g} QPS: push {p50['push']:.0f}, pull {p50['pull']:.0f}, "
               f"pull/push {p50['pull'] / p50['push']:.2f} (published about {published:g})")
 

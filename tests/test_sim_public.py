@@ -37,25 +37,34 @@ def test_reuse_gain_grows_with_context():
     assert gain[24000] > 5 * max(gain[2000], 1.0)
 
 
-def _pull_over_push(tokens: int, qps: float, seed: int = 0) -> float:
-    p50 = {m: simulate(P.push_pull_scenario(m, tokens, qps, seed=seed)).ttft().p50_ms
-           for m in ("push", "pull")}
+def _pull_over_push(tokens: int, qps: float, seed: int = 0,
+                    duration_s: float = P.PUSH_PULL_DURATION_S) -> float:
+    """Steady-state pull/push p50 TTFT ratio (the warm-up left out)."""
+    p50 = {m: simulate(P.push_pull_scenario(m, tokens, qps, seed=seed, duration_s=duration_s))
+           .ttft(warmup_s=P.PUSH_PULL_WARMUP_S).p50_ms for m in ("push", "pull")}
     return p50["pull"] / p50["push"]
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_push_beats_pull_on_long_prompts_at_high_load(seed):
-    # published: about 3x. The preset's stable calibration gives 1.5-1.7x here (see the presets
-    # module doc); the band checks the direction and a clear gap on every seed.
+def test_push_beats_pull_about_threefold_on_long_prompts_at_high_load(seed):
+    tokens, qps, published = P.PUBLIC_PUSH_PULL["long"]
+    assert 0.8 * published <= _pull_over_push(tokens, qps, seed) <= 1.2 * published
+
+
+def test_pull_over_push_is_steady_not_growing_with_run_length():
+    # a queue near but below saturation: a run twice as long measures the same ratio
     tokens, qps, _ = P.PUBLIC_PUSH_PULL["long"]
-    assert 1.4 <= _pull_over_push(tokens, qps, seed) <= 3.9
+    short = _pull_over_push(tokens, qps, duration_s=P.PUSH_PULL_DURATION_S)
+    long = _pull_over_push(tokens, qps, duration_s=2 * P.PUSH_PULL_DURATION_S)
+    assert long == pytest.approx(short, rel=0.1)
 
 
 def test_pull_penalty_grows_with_load_and_passes_threefold_at_saturation():
     tokens, _, published = P.PUBLIC_PUSH_PULL["long"]
-    ratios = [_pull_over_push(tokens, q) for q in (2.0, 8.0, 10.0)]
+    ratios = [_pull_over_push(tokens, q, duration_s=900.0) for q in (2.0, 8.0, 10.0)]
     assert ratios[0] < ratios[1] < ratios[2]
-    assert ratios[2] >= published
+    assert ratios[0] < 1.5  # light load: only the inline setup itself, no queue
+    assert ratios[2] > published
 
 
 def test_pull_decode_loop_is_the_bottleneck_at_high_load():
@@ -64,7 +73,8 @@ def test_pull_decode_loop_is_the_bottleneck_at_high_load():
     pull = simulate(P.push_pull_scenario("pull", tokens, qps))
     horizon_ms = P.PUSH_PULL_DURATION_S * 1e3
     assert push.decode_stall_ms == 0.0
-    assert pull.decode_stall_ms / horizon_ms > 0.5  # over half the decode loop builds descriptors
+    assert pull.decode_stall_ms / horizon_ms > 0.75  # most of the decode loop builds descriptors
+    assert pull.decode_stall_ms / horizon_ms < 1.0   # ... but it keeps up (below saturation)
     assert pull.requests["tpot_ms"].median() > 3 * push.requests["tpot_ms"].median()
     # the prefill side is the same in both modes
     assert pull.requests["queue_ms"].median() == pytest.approx(push.requests["queue_ms"].median(), abs=1.0)

@@ -116,6 +116,11 @@ class DecodeModel:
     step_per_kilotoken_us: float = 0.0
     kv_capacity_tokens: int = 1 << 40
     """KV tokens one decode instance holds (running requests and retained histories)."""
+    loop_per_descriptor_us: float = 0.0
+    """Engine-loop work per descriptor when this decode posts READs inline (pull, and the forward
+    leg of bidirectional), on top of the fabric's ``TransferModel.per_descriptor_us``: vLLM's
+    per-request descriptor-id computation and READ bookkeeping on the engine thread. Running
+    decodes wait for all of it. The push sender thread and the prefill's reverse pulls don't pay it."""
 
     def step_ms(self, batch: int, context_tokens: float) -> float:
         return (self.step_base_ms + batch * self.step_per_seq_ms

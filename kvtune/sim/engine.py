@@ -14,7 +14,8 @@ events; ``seq`` keeps the order of simultaneous events deterministic. The mechan
   at its next loop boundary.
 * **pull** (and the forward leg of **bidirectional**): the prefill answers the router, which picks
   the decode then (late). At its next loop boundary the decode engine allocates the blocks, builds
-  the descriptors and posts the READ inline, stalling its running decodes; it sees the completion
+  the descriptors and posts the READ inline (the fabric's per-descriptor cost plus the engine
+  loop's own, ``DecodeModel.loop_per_descriptor_us``), stalling its running decodes; it sees the completion
   at a later boundary and schedules the request at the one after.
 * **bidirectional**: a decode retains a finished request's KV for ``ttl_s`` (LRU-evicted when its
   KV memory is needed). The next turn goes to that decode; the prefill pulls the history back
@@ -454,14 +455,14 @@ class Simulation:
         t = self.now
         stall = 0.0
         if d.inbox:  # pull: descriptors built and READs posted inline, running decodes wait
-            tm = self.tm
+            tm, loop_us = self.tm, self.dm.loop_per_descriptor_us
             posted = 0
             for req in d.inbox:
                 if not self.reserve(d, req):
                     break  # no KV memory for its blocks yet: stays in the inbox (FIFO)
                 posted += 1
                 req.setup_start = t + stall
-                stall += tm.setup_ms(req.fwd_tokens)
+                stall += tm.setup_ms(req.fwd_tokens) + loop_us * tm.descriptors(req.fwd_tokens) / 1e3
                 req.setup_end = req.rdma_post = t + stall
                 start = max(req.setup_end, d.link_free)
                 d.link_free = start + tm.wire_ms(req.fwd_tokens)

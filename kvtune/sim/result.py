@@ -65,10 +65,11 @@ class SimResult:
     """Total time the decode engine loops spent building descriptors inline (pull)."""
     _sim: Any = field(repr=False, default=None)
 
-    def ttft(self, *, min_turn: int = 1) -> TtftEstimate:
-        """TTFT percentiles over finished requests (turn >= ``min_turn``)."""
+    def ttft(self, *, min_turn: int = 1, warmup_s: float = 0.0) -> TtftEstimate:
+        """TTFT percentiles over finished requests (turn >= ``min_turn``) that arrived at or after
+        ``warmup_s`` (leave out the warm-up from an empty system to measure the steady state)."""
         df = self.requests
-        df = df[(df["turn"] >= min_turn) & df["ttft_ms"].notna()]
+        df = df[(df["turn"] >= min_turn) & df["ttft_ms"].notna() & (df["arrival_s"] >= warmup_s)]
         v = df["ttft_ms"].to_numpy(float)
         pulls = (df["reuse_outcome"] == "pull").sum() if len(df) else 0
         if len(v) == 0:
