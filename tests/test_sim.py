@@ -84,6 +84,27 @@ def test_pull_descriptor_setup_stalls_running_decodes():
     assert pull.requests["ttft_ms"].median() > push.requests["ttft_ms"].median()
 
 
+def test_decode_loop_descriptor_cost_is_paid_inline_by_pull_only():
+    loop = replace(tiny("pull").decode, loop_per_descriptor_us=0.5)
+    base_push, base_pull = one_request("push"), one_request("pull")
+    push, pull = one_request("push", decode=loop), one_request("pull", decode=loop)
+    # 256 blocks * 10 descriptors * 0.5 us = 1.28 ms more inline work before the READ is posted
+    assert pull.loc[0, "ttft_ms"] - base_pull.loc[0, "ttft_ms"] == pytest.approx(1.28, abs=1e-6)
+    assert push.loc[0, "ttft_ms"] == pytest.approx(base_push.loc[0, "ttft_ms"], abs=1e-9)
+    res = simulate(tiny("pull", decode=loop, requests=pd.DataFrame(
+        {"arrival_s": [0.0], "prompt_tokens": [PROMPT], "output_tokens": [4]})))
+    assert res.decode_stall_ms == pytest.approx(2.56 + 1.28, abs=1e-9)
+
+
+def test_ttft_warmup_leaves_out_early_arrivals():
+    frame = pd.DataFrame({"arrival_s": [0.0, 0.5, 2.0, 3.0], "prompt_tokens": [PROMPT] * 4,
+                          "output_tokens": [4] * 4})
+    res = simulate(tiny("push", requests=frame))
+    assert res.ttft().n_requests == 4
+    assert res.ttft(warmup_s=1.0).n_requests == 2
+    assert res.ttft(warmup_s=10.0).n_requests == 0
+
+
 def test_request_table_columns_and_units():
     res = simulate(tiny("push", workload=replace(tiny("push").workload, qps=5.0, duration_s=4.0)))
     df = res.requests
@@ -173,6 +194,8 @@ def test_config_errors_name_the_field():
         WorkloadSpec(qps=0)
     with pytest.raises(KvtuneError, match="Dist"):
         Dist.parse("zipf:1")
+    with pytest.raises(SimError, match="DecodeModel.loop_per_descriptor_us"):
+        tiny("pull", decode=DecodeModel(step_base_ms=1.0, loop_per_descriptor_us=-1.0))
     with pytest.raises(SimError, match="floor_fit.floor_ms"):
         SimConfig.from_fit(SimpleNamespace(floor_ms=None, bandwidth_gbps=1.0), None)
 

@@ -253,6 +253,9 @@ class SimConfig:
                 raise SimError(f"SimConfig.{name}: expected >= 1, got {getattr(self, name)!r}")
         if self.transfer.bandwidth_gbps <= 0:
             raise SimError(f"TransferModel.bandwidth_gbps: expected > 0, got {self.transfer.bandwidth_gbps!r}")
+        if not self.decode.loop_per_descriptor_us >= 0:
+            raise SimError("DecodeModel.loop_per_descriptor_us: expected >= 0, got "
+                           f"{self.decode.loop_per_descriptor_us!r}")
 
     @property
     def topology(self) -> str:
