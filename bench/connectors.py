@@ -12,7 +12,7 @@ Two measurements, printed as kvtune/vLLM ratios (aim: <= 1.02):
    shared machine this ratio mostly carries the load's drift between the runs.
 
     .venv/bin/python bench/connectors.py --micro
-    flock /tmp/kvt/vllm.lock .venv/bin/python bench/connectors.py --modes pull,push --requests 20
+    flock "$VLLM_LOCK" .venv/bin/python bench/connectors.py --modes pull,push --requests 20
 """
 from __future__ import annotations
 

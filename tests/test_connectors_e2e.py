@@ -3,7 +3,7 @@ bidirectional mode. Each test checks that the KV moved (the decode did not compu
 that the output equals a single-instance run with the same seed, and that the span files hold every
 phase of each transfer in one trace.
 
-Run with ``flock /tmp/kvt/vllm.lock pytest -m vllm tests/test_connectors_e2e.py`` (one vLLM
+Run with ``flock "$VLLM_LOCK" pytest -m vllm tests/test_connectors_e2e.py`` (one vLLM
 workload at a time on a shared machine). One pair per mode per module; each starts in ~30-90 s.
 """
 from __future__ import annotations
