@@ -138,7 +138,8 @@ class VllmServer:
         self._log.flush()
         self.proc = subprocess.Popen(self.command(), env=self.environment(), cwd=self.workdir,
                                      stdout=self._log, stderr=subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL, start_new_session=True)
+                                     stdin=subprocess.DEVNULL, start_new_session=True,
+                                     preexec_fn=_terminate_with_parent)
         _LIVE.add(self)
 
     def exited(self) -> int | None:
@@ -179,6 +180,19 @@ class VllmServer:
 
     def log_tail(self, n: int = LOG_TAIL_LINES) -> str:
         return tail(self.log_path, n)
+
+
+def _terminate_with_parent() -> None:
+    """In the child before exec (Linux): SIGTERM it when its parent dies, so a test run killed by
+    ``timeout`` (SIGTERM skips ``atexit``) does not leave vLLM servers behind."""
+    try:
+        import ctypes
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    except (OSError, AttributeError):  # not Linux/glibc: stop()/atexit still apply
+        pass
+
+
+PR_SET_PDEATHSIG: Final = 1
 
 
 def _signal_group(pgid: int, sig: int) -> None:
