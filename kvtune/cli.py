@@ -23,6 +23,7 @@ COMMAND_MODULES: tuple[tuple[str, str], ...] = (
     ("sim", "kvtune.sim.cli"),
     ("dashboards", "kvtune.dashboards.cli"),
     ("traces", "kvtune.traces.cli"),
+    ("local", "kvtune.local.cli"),
 )
 
 
