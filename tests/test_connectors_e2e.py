@@ -74,31 +74,58 @@ def reference(workdir: Path) -> dict[tuple[int, ...], tuple[int, ...]]:
     return out
 
 
-def _pair(mode: str, workdir: Path) -> Iterator[LocalPair]:
-    with LocalPair(mode, connector="kvtune", workdir=workdir / mode / "work",
-                   spans_dir=workdir / mode / "spans", extra_env=FAST_EXPORT_ENV) as pair:
-        yield pair
+class _OnePair:
+    """At most one pair alive at a time: two pairs (four engines) on two cores starve each other."""
+
+    def __init__(self, workdir: Path) -> None:
+        self.workdir = workdir
+        self.mode: str | None = None
+        self._cm: LocalPair | None = None
+        self.pair: LocalPair | None = None
+
+    def get(self, mode: str) -> LocalPair:
+        if self.mode == mode and self.pair is not None:
+            return self.pair
+        self.close()
+        cm = LocalPair(mode, connector="kvtune", workdir=self.workdir / mode / "work",
+                       spans_dir=self.workdir / mode / "spans", extra_env=FAST_EXPORT_ENV)
+        self.pair, self._cm, self.mode = cm.__enter__(), cm, mode
+        if mode == "bidirectional":
+            # A two-turn warm-up: the prefill's first contact with the decode (its NIXL handshake,
+            # which vLLM bounds by a 5 s receive timeout) happens here rather than inside the test.
+            warm = tuple(range(900, 1000))
+            first = self.pair.complete(list(warm), 2, conversation="warm-up")
+            self.pair.complete(list(warm + first.token_ids + warm[:40]), 2, conversation="warm-up")
+        return self.pair
+
+    def close(self) -> None:
+        cm, self._cm, self.pair, self.mode = self._cm, None, None, None
+        if cm is not None:
+            cm.__exit__(None, None, None)
 
 
 @pytest.fixture(scope="module")
-def pull_pair(workdir: Path, reference: Any) -> Iterator[LocalPair]:
-    yield from _pair("pull", workdir)
+def pairs(workdir: Path, reference: Any) -> Iterator[_OnePair]:
+    one = _OnePair(workdir)
+    try:
+        yield one
+    finally:
+        one.close()
 
 
-@pytest.fixture(scope="module")
-def push_pair(workdir: Path, reference: Any) -> Iterator[LocalPair]:
-    yield from _pair("push", workdir)
+@pytest.fixture
+def pull_pair(pairs: _OnePair) -> LocalPair:
+    return pairs.get("pull")
 
 
-@pytest.fixture(scope="module")
-def bidi_pair(workdir: Path, reference: Any) -> Iterator[LocalPair]:
-    for pair in _pair("bidirectional", workdir):
-        # A two-turn warm-up: the prefill's first contact with the decode (its NIXL handshake, which
-        # vLLM bounds by a 5 s receive timeout) happens here rather than inside the test.
-        warm = tuple(range(900, 1000))
-        first = pair.complete(list(warm), 2, conversation="warm-up")
-        pair.complete(list(warm + first.token_ids + warm[:40]), 2, conversation="warm-up")
-        yield pair
+@pytest.fixture
+def push_pair(pairs: _OnePair) -> LocalPair:
+    return pairs.get("push")
+
+
+@pytest.fixture
+def bidi_pair(pairs: _OnePair) -> LocalPair:
+    return pairs.get("bidirectional")
 
 
 # --- helpers ----------------------------------------------------------------------------------
