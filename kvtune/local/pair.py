@@ -3,7 +3,7 @@
 ``LocalPair`` starts two ``python -m vllm.entrypoints.openai.api_server`` processes on 127.0.0.1
 (prefill and decode), each on its own core with a small KV cache, connected by NIXL (UCX) through
 either kvtune's instrumented connectors or vLLM's own, and drives the P/D flow of each mode the way
-a router would (see ``/work/shared/CPU-VLLM.md`` for what was tried on these machines):
+a router would (see ``shared/CPU-VLLM.md`` (beside the repository) for what was tried on these machines):
 
 - pull: prefill with ``max_tokens=1`` and ``{"do_remote_decode": true}``; then the decode with the
   ``kv_transfer_params`` the prefill returned (the decode READs the prompt's KV).
