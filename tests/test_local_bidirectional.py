@@ -8,37 +8,23 @@ tests/test_local_bidirectional.py``. The connector is vLLM's own unless
 from __future__ import annotations
 
 import os
-import time
 
 import pytest
 
-from kvtune.local.metrics import PromptTokenSources
+from kvtune.local.metrics import wait_for_tokens
 from kvtune.local.pair import LocalPair
-from kvtune.local.reference import STANDARD_MAX_TOKENS, standard_conversations, standard_reference
-from kvtune.local.tiny_model import make_tiny_model
+from kvtune.local.reference import STANDARD_MAX_TOKENS, standard_conversations
 from kvtune.local.workload import PairTarget, WorkloadConfig, generate, run_workload
 
 pytestmark = pytest.mark.vllm
 
 CONNECTOR = os.environ.get("KVTUNE_LOCAL_TEST_CONNECTOR", "vllm")
-METRICS_WAIT_S = 30.0
 TTL_S = 300
 """Decode-side retention, long enough that the second turn always finds the history."""
 RECOMPUTE_THRESHOLD = 1
 """Pull any history of at least one token. With vLLM's default (64) the second turn would be
 recomputed: the prefill's own prefix cache holds the first 128-token block of the history, which
 leaves 171 - 128 = 43 history tokens to pull, under 64."""
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return make_tiny_model(tmp_path_factory.getbasetemp() / "kvtune-local-model")
-
-
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory, model_dir):
-    return standard_reference(tmp_path_factory.getbasetemp() / "kvtune-local-reference",
-                              model_dir=model_dir)
 
 
 @pytest.fixture(scope="module")
@@ -50,13 +36,6 @@ def pair(tmp_path_factory, model_dir, reference):
         yield p
 
 
-def wait_sources(read, before: PromptTokenSources, tokens: int) -> PromptTokenSources:
-    deadline = time.monotonic() + METRICS_WAIT_S
-    while True:
-        delta = read() - before
-        if delta.total_tokens >= tokens or time.monotonic() > deadline:
-            return delta
-        time.sleep(0.2)
 
 
 def test_two_turns_pull_history_back_and_match_single_instance(pair, reference):
@@ -67,7 +46,7 @@ def test_two_turns_pull_history_back_and_match_single_instance(pair, reference):
     # Turn 1: an ordinary pull; the decode keeps the conversation's blocks and says so.
     d0 = pair.decode_prompt_sources()
     first = pair.complete(prompts[0], STANDARD_MAX_TOKENS, conversation="conv-a")
-    d1 = wait_sources(pair.decode_prompt_sources, d0, len(prompts[0]))
+    d1 = wait_for_tokens(pair.decode_prompt_sources, d0, len(prompts[0]))
     assert first.token_ids == expected[0]
     assert d1.external_kv_transfer_tokens >= len(prompts[0]) - 1
     assert d1.local_compute_tokens <= 1
@@ -83,8 +62,8 @@ def test_two_turns_pull_history_back_and_match_single_instance(pair, reference):
     p1 = pair.prefill_prompt_sources()
     d1_abs = pair.decode_prompt_sources()
     second = pair.complete(prompts[1], STANDARD_MAX_TOKENS, conversation="conv-a")
-    p_delta = wait_sources(pair.prefill_prompt_sources, p1, len(prompts[1]))
-    d_delta = wait_sources(pair.decode_prompt_sources, d1_abs, len(prompts[1]))
+    p_delta = wait_for_tokens(pair.prefill_prompt_sources, p1, len(prompts[1]))
+    d_delta = wait_for_tokens(pair.decode_prompt_sources, d1_abs, len(prompts[1]))
     assert second.token_ids == expected[1]
     # Prefill-side evidence: history tokens came over the connector, not from local compute.
     assert p_delta.external_kv_transfer_tokens > 0
@@ -106,7 +85,7 @@ def test_new_conversation_after_forget_starts_fresh(pair, reference):
     assert pair.conversation_params("conv-b") is None
     p1 = pair.prefill_prompt_sources()
     result = pair.complete(prompts[1], STANDARD_MAX_TOKENS, conversation="conv-b")
-    p_delta = wait_sources(pair.prefill_prompt_sources, p1, len(prompts[1]))
+    p_delta = wait_for_tokens(pair.prefill_prompt_sources, p1, len(prompts[1]))
     assert result.token_ids == reference.conversation_outputs[0][1]
     assert p_delta.external_kv_transfer_tokens == 0  # nothing offered: no reverse pull
 

@@ -9,30 +9,16 @@ subclasses are tested end to end in ``tests/test_connectors*.py``).
 from __future__ import annotations
 
 import os
-import time
 
 import pytest
 
-from kvtune.local.metrics import PromptTokenSources
+from kvtune.local.metrics import wait_for_tokens
 from kvtune.local.pair import LocalPair
-from kvtune.local.reference import STANDARD_MAX_TOKENS, standard_prompts, standard_reference
-from kvtune.local.tiny_model import make_tiny_model
+from kvtune.local.reference import STANDARD_MAX_TOKENS, standard_prompts
 
 pytestmark = pytest.mark.vllm
 
 CONNECTOR = os.environ.get("KVTUNE_LOCAL_TEST_CONNECTOR", "vllm")
-METRICS_WAIT_S = 30.0
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return make_tiny_model(tmp_path_factory.getbasetemp() / "kvtune-local-model")
-
-
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory, model_dir):
-    return standard_reference(tmp_path_factory.getbasetemp() / "kvtune-local-reference",
-                              model_dir=model_dir)
 
 
 @pytest.fixture(scope="module")
@@ -43,14 +29,6 @@ def pair(tmp_path_factory, model_dir, reference):
         yield p
 
 
-def wait_sources(read, before: PromptTokenSources, tokens: int) -> PromptTokenSources:
-    """Counters move when vLLM records the step's stats: poll (bounded) until ``tokens`` show."""
-    deadline = time.monotonic() + METRICS_WAIT_S
-    while True:
-        delta = read() - before
-        if delta.total_tokens >= tokens or time.monotonic() > deadline:
-            return delta
-        time.sleep(0.2)
 
 
 @pytest.mark.parametrize("index", [0, 2])
@@ -58,7 +36,7 @@ def test_push_moves_kv_and_matches_single_instance(pair, reference, index):
     prompt = standard_prompts()[index]
     before = pair.decode_prompt_sources()
     result = pair.complete(prompt, STANDARD_MAX_TOKENS, request_id=f"kvtune-test-push-{index}")
-    delta = wait_sources(pair.decode_prompt_sources, before, len(prompt))
+    delta = wait_for_tokens(pair.decode_prompt_sources, before, len(prompt))
 
     assert result.token_ids == reference.outputs[index]
     params = result.kv_transfer_params  # what the decode was told: the prefill, named up front

@@ -88,3 +88,19 @@ def prompt_token_sources(url: str, *, timeout_s: float = 30.0) -> PromptTokenSou
     if status != 200:
         raise LocalPairError(f"{url}/metrics: expected HTTP 200, got {status}: {body[:500]}")
     return prompt_token_sources_from_text(body)
+
+
+def wait_for_tokens(read, before: PromptTokenSources, tokens: int, *,
+                    timeout_s: float = 30.0) -> PromptTokenSources:
+    """Poll ``read()`` (bounded) until the counters moved by ``tokens`` since ``before``.
+
+    vLLM records a step's stats after the step, so counters lag the HTTP answer; returns the last
+    delta seen when ``timeout_s`` runs out (callers assert on it)."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        delta = read() - before
+        if delta.total_tokens >= tokens or time.monotonic() > deadline:
+            return delta
+        time.sleep(0.2)
