@@ -29,14 +29,10 @@ def fits_by_fabric(tx: pd.DataFrame, *, seed: int = 0) -> dict[str, Any]:
     from kvtune.analysis import fit_floor
 
     out: dict[str, Any] = {}
-    if tx.empty:
-        return out
-    fabric = tx["fabric"].astype("object").where(tx["fabric"].notna(), "(unnamed)")
-    op = tx["op"].astype("object").where(tx["op"].notna(), "?")
-    is_probe = (tx["mode"].astype("object") == "probe").to_numpy(dtype=bool)
-    kind = np.where(is_probe, "probe", "serving")
-    for (fab, k, o), grp in tx.groupby([fabric.to_numpy(), kind, op.to_numpy()]):
-        key = f"{fab} {o} ({k})"
+    for key, grp in fit_groups(tx).items():
+        fab, o = grp["fabric"].iloc[0], grp["op"].iloc[0]
+        fab = "(unnamed)" if pd.isna(fab) else str(fab)
+        o = "?" if pd.isna(o) else str(o)
         try:
             out[key] = fit_floor(grp.assign(fabric=fab, op=o), seed=seed, fabric=fab, op=o)
         except AnalysisError as exc:
