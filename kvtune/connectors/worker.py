@@ -16,6 +16,7 @@ first. ``released``: still retained at shutdown.
 """
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import msgspec
@@ -30,6 +31,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.push_worker import (
 from kvtune import spans
 from kvtune.connectors.ids import base_request_id, derived_span_context, parse_traceparent
 from kvtune.connectors.nixl_agent import ObservedNixlAgent
+from kvtune.connectors.progress import EXTRA_CONFIG_KEY as PROGRESS_KEY
+from kvtune.connectors.progress import delay_from_extra_config, progress_delay
 from kvtune.connectors.observer import (
     GUARD,
     BoundedDict,
@@ -46,8 +49,27 @@ from kvtune.connectors.scheduler import role_of
 
 _D = spans.Direction
 _S = spans.SpanName
+_log = logging.getLogger(__name__)
 LEASE_EXPIRED = "kv_lease_expired"
 """``error.type`` of a ``kv.notify`` that never came: the producer's lease on the blocks ran out."""
+
+
+def _progress_delay_of(vllm_config: Any, push: bool) -> int | None:
+    """The NIXL progress-thread delay this worker's agent gets (see ``kvtune.connectors.progress``).
+
+    Not on a prefill that initiates transfers (push WRITEs, bidirectional reverse READs): there a
+    sleeping progress thread was measured to hang the first transfer until the lease expired."""
+    cfg = vllm_config.kv_transfer_config
+    extra = getattr(cfg, "kv_connector_extra_config", None) or {}
+    delay = delay_from_extra_config(extra)
+    initiating_prefill = role_of(cfg.kv_role) is spans.Role.PREFILL and (
+        push or bool(extra.get("bidirectional_kv_xfer", False)))
+    if delay is not None and initiating_prefill:
+        _log.warning("kvtune: %s ignored on a %s prefill (its NIXL agent initiates transfers and "
+                     "hangs with a sleeping progress thread); it applies to the decode",
+                     PROGRESS_KEY, "push" if push else "bidirectional")
+        return None
+    return delay
 
 
 class _WorkerHooks:
@@ -63,6 +85,8 @@ class _WorkerHooks:
                           tp_rank=getattr(self, "tp_rank", None))
         backends = getattr(self, "nixl_backends", None) or ["UCX"]
         emitter.common[spans.NIXL_BACKEND] = str(backends[0])
+        emitter.common[spans.NIXL_PROGRESS_DELAY_US] = int(
+            getattr(self, "_kvt_progress_delay_us", 0))
         self._kvt_init(emitter)
 
     def _kvt_init(self, emitter: Emitter) -> None:
@@ -200,7 +224,10 @@ class KvtunePullWorker(_WorkerHooks, NixlPullConnectorWorker):
     _KVT_MODE = spans.Mode.PULL
 
     def __init__(self, vllm_config: Any, engine_id: str, kv_cache_config: Any) -> None:
-        super().__init__(vllm_config, engine_id, kv_cache_config)
+        delay = _progress_delay_of(vllm_config, push=False)
+        with progress_delay(delay):
+            super().__init__(vllm_config, engine_id, kv_cache_config)
+        self._kvt_progress_delay_us = 0 if delay is None else delay
         GUARD.run("worker.setup", self._kvt_setup)
 
     def start_load_kv(self, metadata: Any) -> None:
@@ -273,7 +300,10 @@ class KvtunePushWorker(_WorkerHooks, NixlPushConnectorWorker):
     _KVT_MODE = spans.Mode.PUSH
 
     def __init__(self, vllm_config: Any, engine_id: str, kv_cache_config: Any) -> None:
-        super().__init__(vllm_config, engine_id, kv_cache_config)
+        delay = _progress_delay_of(vllm_config, push=True)
+        with progress_delay(delay):
+            super().__init__(vllm_config, engine_id, kv_cache_config)
+        self._kvt_progress_delay_us = 0 if delay is None else delay
         GUARD.run("worker.setup", self._kvt_setup)
 
     def _kvt_init(self, emitter: Emitter) -> None:
