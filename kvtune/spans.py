@@ -20,6 +20,10 @@ class SpanName(str, Enum):
 
     REQUEST = "kv.request"
     """Router: request in -> last token out. Root of the request's trace."""
+    QUEUE = "kv.queue"
+    """Prefill or decode engine: request arrived (vLLM's ``arrival_time``, stamped by the API
+    server) -> the scheduler first considered it. Time spent reaching and waiting for the engine
+    loop: API-server to engine IPC, a busy engine, a starved CPU."""
     PREFILL = "kv.prefill"
     """Prefill instance: request scheduled -> prompt KV computed (ready to be transferred)."""
     HANDSHAKE = "kv.handshake"
@@ -102,6 +106,8 @@ NIXL_POST_US: Final = "kv.nixl.post_us"
 """NIXL's own telemetry: time to post the transfer, microseconds."""
 NIXL_XFER_US: Final = "kv.nixl.xfer_us"
 """NIXL's own telemetry: post -> completion seen, microseconds (includes polling delay)."""
+NIXL_PROGRESS_DELAY_US: Final = "kv.nixl.progress_delay_us"
+"""On worker spans: the NIXL agent's progress-thread delay, microseconds (0: it spins a core)."""
 NIXL_STATUS: Final = "kv.nixl.status"
 """Final NIXL status of the transfer (``DONE``, ``ERR_...``)."""
 FABRIC: Final = "kv.fabric"
@@ -223,6 +229,7 @@ ATTRIBUTE_TYPES: Final[dict[str, type]] = {
     MODE: str, DIRECTION: str, ROLE: str, ENGINE_ID: str, REMOTE_ENGINE_ID: str, TP_RANK: int,
     TOKENS: int, BLOCKS: int, BYTES: int, DESCRIPTORS: int, NIXL_BACKEND: str, NIXL_OP: str,
     NIXL_POST_US: float, NIXL_XFER_US: float, NIXL_STATUS: str, FABRIC: str, TRANSPORT: str,
+    NIXL_PROGRESS_DELAY_US: int,
     FIRST_ARRIVAL: str, NOTIFY_SENT_NS: int, PROMPT_TOKENS: int, CACHED_TOKENS: int,
     COMPUTED_TOKENS: int, OUTPUT_TOKENS: int, TTFT_MS: float, PREFILL_INSTANCE: str,
     DECODE_INSTANCE: str, STREAM: bool, HTTP_STATUS: int, REUSE_OUTCOME: str,

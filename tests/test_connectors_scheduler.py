@@ -6,6 +6,8 @@ span's token counts, and the compat fallbacks of the connector facades.
 """
 from __future__ import annotations
 
+import time
+
 import logging
 from typing import Any
 
@@ -68,6 +70,23 @@ def _request(rid: str, n_tokens: int, params: dict[str, Any] | None) -> Request:
     extra = {"kv_transfer_params": params} if params is not None else None
     return Request(rid, list(range(1, n_tokens + 1)), SamplingParams(max_tokens=1, extra_args=extra),
                    None)
+
+
+def test_queue_span_from_arrival_to_first_look_once_per_request(
+        exporter: InMemorySpanExporter) -> None:
+    conn = _scheduler(exporter, "kv_producer")
+    req = Request("cmpl-q-0-33333333", list(range(1, 41)),
+                  SamplingParams(max_tokens=1, extra_args={"kv_transfer_params":
+                                                           {"do_remote_decode": True}}),
+                  None, arrival_time=time.time() - 2.5)
+    conn.get_num_new_matched_tokens(req, 0)
+    conn.get_num_new_matched_tokens(req, 0)  # the scheduler looks again: still one span
+    span = _only(exporter, spans.SpanName.QUEUE)
+    assert span.start_time == int(req.arrival_time * 1e9)
+    assert 2.4e9 < span.end_time - span.start_time < 60e9
+    assert span.attributes[spans.BASE_REQUEST_ID] == "q"
+    assert span.attributes[spans.ROLE] == spans.Role.PREFILL.value
+    assert span.attributes[spans.PROMPT_TOKENS] == 40
 
 
 def _blocks(*ids: int) -> KVCacheBlocks:
@@ -141,7 +160,8 @@ def test_first_turn_and_pull_decisions(exporter: InMemorySpanExporter) -> None:
     pull = _request("cmpl-turn2-0-22222222", 300, params)
     assert conn.get_num_new_matched_tokens(pull, 0) == (200, True)
     conn.update_state_after_alloc(pull, _blocks(3, 4), 200)
-    assert exporter.get_finished_spans() == ()  # a pull is confirmed by the worker
+    # a pull is confirmed by the worker; only the engine-queue span is emitted here
+    assert [s.name for s in exporter.get_finished_spans()] == [spans.SpanName.QUEUE.value]
     meta = conn.build_connector_meta(SchedulerOutput.make_empty())
     info = meta.kvtune_reqs[pull.request_id]
     assert "cmpl-turn2-0-22222222" in meta.reqs_to_recv  # vLLM's own metadata, unchanged

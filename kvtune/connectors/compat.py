@@ -60,7 +60,7 @@ WRAPPED: Final[tuple[WrappedMethod, ...]] = (
     _w("connector", "NixlPushConnector", "start_load_kv", ("forward_context",), "construction"),
     # Scheduler side (both modes).
     _w("pull_scheduler", "NixlPullConnectorScheduler", "get_num_new_matched_tokens",
-       ("request", "num_computed_tokens"), _S.PREFILL, _S.REUSE_DECISION),
+       ("request", "num_computed_tokens"), _S.QUEUE, _S.PREFILL, _S.REUSE_DECISION),
     _w("pull_scheduler", "NixlPullConnectorScheduler", "update_state_after_alloc",
        ("request", "blocks", "num_external_tokens"), _S.PREFILL, _S.REUSE_DECISION),
     _w("pull_scheduler", "NixlPullConnectorScheduler", "request_finished",
@@ -70,7 +70,7 @@ WRAPPED: Final[tuple[WrappedMethod, ...]] = (
     _w("base_scheduler", "NixlBaseConnectorScheduler", "update_connector_output",
        ("connector_output",), _S.DECODE_START),
     _w("push_scheduler", "NixlPushConnectorScheduler", "get_num_new_matched_tokens",
-       ("request", "num_computed_tokens"), _S.PREFILL),
+       ("request", "num_computed_tokens"), _S.QUEUE, _S.PREFILL),
     _w("push_scheduler", "NixlPushConnectorScheduler", "update_state_after_alloc",
        ("request", "blocks", "num_external_tokens"), _S.PREFILL, _S.REGISTRATION),
     _w("push_scheduler", "NixlPushConnectorScheduler", "request_finished",

@@ -60,6 +60,7 @@ class _ReqState:
     waiting_kv: bool = False
     decided: bool = False
     decision_ns: int | None = None
+    queued: bool = False
 
 
 def _int_or_none(value: Any) -> int | None:
@@ -161,11 +162,26 @@ class _SchedulerHooks:
         if not params:
             return
         st = self._kvt_state(request)
+        if not st.queued:
+            st.queued = True
+            self._kvt_on_queued(request, st)
         st.local_cached = int(num_computed_tokens)
         if (self._kvt_mode is spans.Mode.BIDIRECTIONAL and params.get("do_remote_decode")
                 and not st.decided):
             st.decided = True
             self._kvt_reuse_decision(request, st, params, num_computed_tokens, result)
+
+    def _kvt_on_queued(self, request: Request, st: _ReqState) -> None:
+        """``kv.queue``: the API server's arrival stamp -> the scheduler's first look."""
+        arrival = getattr(request, "arrival_time", None)
+        if not isinstance(arrival, (int, float)) or arrival <= 0:
+            return
+        t = now_ns()
+        start = min(int(arrival * 1e9), t)
+        sc = parse_traceparent(st.traceparent) or derived_span_context(st.base_id)
+        self._kvt.emit(spans.SpanName.QUEUE, sc, start, t, lambda: {
+            spans.REQUEST_ID: request.request_id, spans.BASE_REQUEST_ID: st.base_id,
+            **self._kvt_conv(st), spans.PROMPT_TOKENS: int(request.num_prompt_tokens)})
 
     def _kvt_reuse_decision(self, request: Request, st: _ReqState, params: dict[str, Any],
                             num_computed_tokens: int, result: tuple[int | None, bool]) -> None:
