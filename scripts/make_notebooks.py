@@ -118,7 +118,12 @@ NOTEBOOKS: dict[str, list[tuple[str, str]]] = {
     ],
     "stalls": [
         ("markdown", "# Stalls\nRequests and transfers that took over a second, next to fast ones: "
-                     "which phase holds the stalled time (the analysis names it)."),
+                     "which phase holds the stalled time (the analysis names it). Besides the "
+                     "transfer phases: `queue_*` (API server -> scheduler, `kv.queue`), the "
+                     "prefill, `handoff` (prefill done -> decode request arrived) and `dispatch` "
+                     "(decode scheduler -> first transfer span). Time there, with short "
+                     "transfer phases, means the engines waited for CPU (see the finding "
+                     "`stalls_outside_transfer`)."),
         ("code", LOAD),
         ("code", 'from kvtune.analysis import stalls\n'
                  'diag = stalls.stall_diagnosis(tx, spans)\n'

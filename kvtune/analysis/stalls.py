@@ -1,9 +1,11 @@
 """Which phase holds a stalled request's time: stalled requests next to fast ones, per phase.
 
-A request's time (``kv.request`` when a router traced it, else its transfers' span) is split into
-the transfer phases (columns of the transfers table), the prefill (``kv.prefill``) and what no span
-covers (``uncovered_ms``: queueing, HTTP, scheduling that nothing instruments). The phase whose median
-grows most between fast and stalled requests is named as the one holding the stall.
+A request's time (``kv.request`` when a router traced it, else from its first to its last engine
+span) is split into the transfer phases (columns of the transfers table), the wait for each
+engine's scheduler (``kv.queue`` by role: ``queue_prefill_ms``, ``queue_decode_ms``), the prefill
+(``kv.prefill``), the gaps between them (``handoff_ms``, ``dispatch_ms``) and what no span covers
+(``uncovered_ms``: HTTP, response handling, decode steps). The phase whose median grows most
+between fast and stalled requests is named as the one holding the stall.
 """
 from __future__ import annotations
 
@@ -20,7 +22,14 @@ STALL_MS = 1000.0
 """A request slower than this is stalled (the issue's yardstick: 'share of requests over 1 s')."""
 
 PHASE_COLS = tuple(S.PHASE_COLUMNS[p] for p in S.PHASES)
-EXTRA_COLS = ("prefill_ms", "uncovered_ms")
+QUEUE_COLS = {S.Role.PREFILL.value: "queue_prefill_ms", S.Role.DECODE.value: "queue_decode_ms"}
+"""``kv.queue`` time per trace, by the emitting engine's role."""
+GAP_COLS = ("handoff_ms", "dispatch_ms")
+"""Gaps between spans of one request: ``handoff_ms`` = prefill done -> the decode's API server
+stamped the decode request's arrival (prefill response, router/client, decode intake);
+``dispatch_ms`` = the decode's scheduler first saw it -> its first transfer span began
+(scheduler -> worker step, handshake wait)."""
+EXTRA_COLS = (*QUEUE_COLS.values(), "prefill_ms", *GAP_COLS, "uncovered_ms")
 
 
 @dataclass(frozen=True)
@@ -55,10 +64,50 @@ class StallDiagnosis:
                 f"(+{self.phase_excess_ms[self.dominant_phase]:.0f} ms median over fast requests)")
 
 
+def _own_request_spans(spans: pd.DataFrame) -> pd.DataFrame:
+    """Without a router's ``kv.request``: the engines' spans that belong to the request itself.
+
+    Left out: retention (lasts until the next turn) and the reverse transfer of the next turn,
+    which joins this turn's trace."""
+    if not len(spans) or "name" not in spans.columns:
+        return spans.iloc[0:0] if len(spans) else spans
+    keep = spans["name"].isin([S.SpanName.QUEUE.value, S.SpanName.PREFILL.value,
+                               *(p.value for p in S.PHASES)])
+    if S.DIRECTION in spans.columns:
+        keep &= (spans[S.DIRECTION].astype("object") != S.Direction.REVERSE.value).to_numpy()
+    return spans[keep.to_numpy(dtype=bool)]
+
+
+def _gaps(spans: pd.DataFrame) -> pd.DataFrame:
+    """Per trace: :data:`GAP_COLS` from the forward prefill, the decode's ``kv.queue`` and the
+    first transfer span after it (handshake, registration, descriptor setup)."""
+    if not len(spans) or S.ROLE not in spans.columns:
+        return pd.DataFrame(columns=list(GAP_COLS))
+    role = spans[S.ROLE].astype("object")
+    fwd = (spans[S.DIRECTION].astype("object") != S.Direction.REVERSE.value
+           if S.DIRECTION in spans.columns else pd.Series(True, index=spans.index))
+    pre_end = spans[(spans["name"] == S.SpanName.PREFILL.value) & fwd].groupby(
+        "trace_id")["end_ns"].min()
+    dq = spans[(spans["name"] == S.SpanName.QUEUE.value) & (role == S.Role.DECODE.value)]
+    dq_start = dq.groupby("trace_id")["start_ns"].min()
+    dq_end = dq.groupby("trace_id")["end_ns"].min()
+    first = spans[spans["name"].isin([S.SpanName.HANDSHAKE.value, S.SpanName.REGISTRATION.value,
+                                      S.SpanName.DESCRIPTOR_SETUP.value]) & fwd]
+    first_start = first.groupby("trace_id")["start_ns"].min()
+    out = pd.DataFrame(index=pd.Index(sorted(set(dq_start.index)), name="trace_id"))
+    out["handoff_ms"] = ((dq_start - pre_end).reindex(out.index).astype(float) / 1e6).clip(lower=0)
+    out["dispatch_ms"] = ((first_start - dq_end).reindex(out.index).astype(float) / 1e6).clip(
+        lower=0)
+    return out
+
+
 def _request_times(spans: pd.DataFrame, tx: pd.DataFrame) -> pd.DataFrame:
     req = spans[spans["name"] == S.SpanName.REQUEST.value] if len(spans) else spans
+    own = _own_request_spans(spans)
     if len(req):
         out = req.groupby("trace_id").agg(start_ns=("start_ns", "min"), end_ns=("end_ns", "max"))
+    elif len(own):
+        out = own.groupby("trace_id").agg(start_ns=("start_ns", "min"), end_ns=("end_ns", "max"))
     elif len(tx):
         out = tx.groupby("trace_id").agg(start_ns=("start_ns", "min"), end_ns=("end_ns", "max"))
     else:
@@ -79,7 +128,15 @@ def stall_diagnosis(tx: pd.DataFrame, spans: pd.DataFrame | None = None, *,
     pre = spans[spans["name"] == S.SpanName.PREFILL.value] if len(spans) else spans
     table["prefill_ms"] = (pre.groupby("trace_id")["duration_ms"].sum().astype(float)
                            if len(pre) else np.nan)
-    covered = table[cols + ["prefill_ms"]].fillna(0).sum(axis=1)
+    que = spans[spans["name"] == S.SpanName.QUEUE.value] if len(spans) else spans
+    for role, col in QUEUE_COLS.items():
+        sel = que[que[S.ROLE] == role] if len(que) and S.ROLE in que.columns else que.iloc[0:0]
+        table[col] = (sel.groupby("trace_id")["duration_ms"].sum().astype(float)
+                      if len(sel) else np.nan)
+    gaps = _gaps(spans)
+    for col in GAP_COLS:
+        table[col] = gaps[col] if len(gaps) else np.nan
+    covered = table[cols + list(EXTRA_COLS[:-1])].fillna(0).sum(axis=1)
     table["uncovered_ms"] = (table["request_ms"] - covered).clip(lower=0)
     table["stalled"] = table["request_ms"] > threshold_ms
     table = table.sort_values("request_ms")

@@ -18,6 +18,11 @@ LOW_R2 = 0.9
 OUTLIER_SHARE = 0.1
 EXPIRED_SHARE = 0.2
 """More than this share of reuse decisions finding expired history suggests a too-short TTL."""
+STARVED_SHARE = 0.05
+"""At least this share of requests over 1 s, with the time outside the transfer, is a finding."""
+OUTSIDE_TRANSFER_COLS = ("queue_prefill_ms", "queue_decode_ms", "prefill_ms", "handoff_ms",
+                         "dispatch_ms", "uncovered_ms")
+"""Stall-diagnosis columns that are not the KV transfer itself."""
 
 
 def _is_rdma_fabric(name: str) -> bool:
@@ -48,6 +53,9 @@ def readiness(transfers: pd.DataFrame, spans: pd.DataFrame, *, fit: FloorFit | N
             f"{float(worst[worst_col]):.0f} ms)",
             {"count": len(stalled), "worst_transfer_id": str(worst["transfer_id"]),
              "worst_phase": worst_col, "worst_ms": float(worst[worst_col])}))
+    starved = _stalls_outside_transfer(transfers, spans)
+    if starved is not None:
+        out.append(starved)
     errors = transfers[(transfers["status"].astype("object") == "ERROR").to_numpy(dtype=bool)]
     if len(errors):
         out.append(Finding("transfer_errors", "warning",
@@ -95,3 +103,57 @@ def readiness(transfers: pd.DataFrame, spans: pd.DataFrame, *, fit: FloorFit | N
                                f"the TTL in force was shorter than the gaps",
                                {"expired": expired, "total": total}))
     return out
+
+
+def _stalls_outside_transfer(transfers: pd.DataFrame, spans: pd.DataFrame) -> Finding | None:
+    """Requests over 1 s whose extra time is not in the transfer: the engines waited for CPU.
+
+    The pattern kvtune found on its own CPU pair: NIXL's UCX progress thread spins a whole core per
+    agent (``pthrDelay = 0``), and where each engine has about one core it starves the engine's own
+    threads. The spans show it as time in the engines' queues and between phases, while READ/WRITE
+    and descriptor setup stay short."""
+    from kvtune.analysis.stalls import stall_diagnosis
+    from kvtune.connectors.progress import EXTRA_CONFIG_KEY, RECOMMENDED_DELAY_US
+    from kvtune.errors import AnalysisError
+
+    try:
+        diag = stall_diagnosis(transfers, spans)
+    except AnalysisError:
+        return None
+    if (diag.n_stalled == 0 or diag.stalled_share < STARVED_SHARE
+            or diag.dominant_phase not in OUTSIDE_TRANSFER_COLS):
+        return None
+    table = diag.table[diag.table["stalled"]]
+    phase_cols = [c for c in (sc.PHASE_COLUMNS[p] for p in sc.PHASES) if c in table.columns]
+    transfer_ms = float(table[phase_cols].fillna(0).sum(axis=1).median()) if phase_cols else 0.0
+    delays: list[int] = []
+    decode_delays: list[int] = []
+    if sc.NIXL_PROGRESS_DELAY_US in spans.columns:
+        seen = spans[spans[sc.NIXL_PROGRESS_DELAY_US].notna().to_numpy(dtype=bool)]
+        delays = sorted({int(d) for d in seen[sc.NIXL_PROGRESS_DELAY_US]})
+        if sc.ROLE in seen.columns:
+            dec = seen[(seen[sc.ROLE].astype("object") == sc.Role.DECODE.value).to_numpy()]
+            decode_delays = [int(d) for d in dec[sc.NIXL_PROGRESS_DELAY_US]]
+    # The decode's agent can always sleep (a push/bidirectional prefill's cannot): judge by it.
+    spinning = not decode_delays or min(decode_delays) == 0
+    advice = (f"if each engine has about one CPU core, NIXL's progress thread spinning a core per "
+              f"agent is the likely cause: set kv_connector_extra_config.{EXTRA_CONFIG_KEY}="
+              f"{RECOMMENDED_DELAY_US} (kvtune connectors; the decode side in push and "
+              f"bidirectional), or give each engine spare cores" if spinning else
+              "NIXL's progress threads already sleep here: look for other CPU-bound work on the "
+              "engines' cores")
+    return Finding(
+        "stalls_outside_transfer", "warning",
+        f"{diag.n_stalled} of {diag.n_requests} requests took over {diag.threshold_ms:g} ms "
+        f"(p50 {diag.p50_ms:.0f} ms, p99 {diag.p99_ms:.0f} ms); their extra time is in "
+        f"{diag.dominant_phase.removesuffix('_ms')} "
+        f"(+{diag.phase_excess_ms[diag.dominant_phase]:.0f} ms median over fast requests) while "
+        f"their transfer phases took {transfer_ms:.1f} ms: the engines waited for CPU, not for "
+        f"the fabric; {advice}",
+        {"stalled": diag.n_stalled, "requests": diag.n_requests,
+         "stalled_share": diag.stalled_share, "p50_ms": diag.p50_ms, "p99_ms": diag.p99_ms,
+         "dominant_phase": diag.dominant_phase,
+         "phase_excess_ms": diag.phase_excess_ms, "stalled_transfer_ms_median": transfer_ms,
+         "slow_trace": diag.slow_trace, "fast_trace": diag.fast_trace,
+         "progress_delay_us_seen": delays,
+         "setting": {EXTRA_CONFIG_KEY: RECOMMENDED_DELAY_US} if spinning else None})
