@@ -1,18 +1,26 @@
 """Stall experiment on the local vLLM pair: N requests per mode, with and without a setting.
 
 For each mode (pull, push, bidirectional) and each setting, start the pair with kvtune's connectors,
-send N requests (sequential, prompt lengths cycling), record each request's wall time, and write the
-connectors' spans. Then kvtune's own analysis (`kvtune.analysis.stalls`) says which phase holds the
-stalled time. Prints share of requests over 1 s, p50/p99 per (mode, setting), and writes
-`summary.json` + `stalls.html` (before/after figures) into --out.
+measure the servers' idle CPU (cores busy while no request is in flight), then send N requests
+(sequential, prompt lengths cycling) while ``--hogs`` CPU-bound processes stand for the rest of the
+host's work (router, client, notebooks during ``tune``; other tests in CI), record each request's
+wall time, and write the connectors' spans. kvtune's own analysis (`kvtune.analysis.stalls`) says
+which phase holds the stalled time. Prints share of requests over 1 s, p50/p99 per (mode, setting),
+and writes `summary.json` + `stalls.html` (before/after figures) into --out.
 
-    .venv/bin/python bench/stalls.py --out out/stalls --requests 30 \
-        --setting 'default={}' --setting 'num_threads=1={"num_threads": 1}'
+A setting is NAME=JSON: ``kv_connector_extra_config`` additions for both servers, or
+``{"prefill": {...}, "decode": {...}}`` for one side each.
+
+    .venv/bin/python bench/stalls.py --out out/stalls --requests 30 --hogs 1 \
+        --setting 'default={}' \
+        --setting 'sleeping-progress={"decode": {"kvtune_progress_delay_us": 1000}}'
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -33,13 +41,73 @@ def prompt(n: int, seed: int) -> list[int]:
     return [int(x) for x in rng.integers(50, 1950, n)]
 
 
-def run_one(mode: str, name: str, extra: dict, n: int, out: Path) -> dict:
+def server_cpu_s(pair: LocalPair) -> float:
+    """CPU seconds used so far by both servers' process trees (API server, engine, worker)."""
+    pids = [s.proc.pid for s in (pair.prefill, pair.decode) if s is not None and s.proc]
+    tree = set(pids)
+    for p in os.listdir("/proc"):
+        if p.isdigit():
+            try:
+                st = open(f"/proc/{p}/stat").read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(st[1]) in tree or int(st[3]) in tree:  # child, or same session (the server leads its own)
+                tree.add(int(p))
+    total = 0
+    for p in tree:
+        try:
+            st = open(f"/proc/{p}/stat").read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += int(st[11]) + int(st[12])
+    return total / os.sysconf("SC_CLK_TCK")
+
+
+def split_roles(extra: dict) -> tuple[dict, dict]:
+    if set(extra) <= {"prefill", "decode"} and extra:
+        return {}, extra
+    return extra, {}
+
+
+def run_one(mode: str, name: str, extra: dict, n: int, out: Path, hogs: int) -> dict:
     spans_dir = out / f"{mode}-{name}" / "spans"
     latencies, errors = [], []
     t_start = time.monotonic()
+    both, per_role = split_roles(extra)
     with LocalPair(mode, connector="kvtune", workdir=out / f"{mode}-{name}" / "work",
-                   spans_dir=spans_dir, kv_extra_config=extra,
+                   spans_dir=spans_dir, kv_extra_config=both, role_kv_extra_config=per_role,
+                   extra_env={"OTEL_BSP_SCHEDULE_DELAY": "200"},
                    recompute_threshold=1 if mode == "bidirectional" else None) as pair:
+        time.sleep(3)
+        c0 = server_cpu_s(pair)
+        time.sleep(5)
+        idle_cores = (server_cpu_s(pair) - c0) / 5
+        print(f"  {mode}/{name}: servers' idle CPU {idle_cores:.2f} cores", file=sys.stderr)
+        hog_procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
+                     for _ in range(hogs)]
+        try:
+            lat_loop(pair, mode, name, n, latencies, errors)
+        finally:
+            for h in hog_procs:
+                h.kill()
+                h.wait()
+    time.sleep(2)  # let the servers' batch processors flush (they flush on shutdown too)
+    spans = load(spans_dir)
+    tx = transfers(spans)
+    lat = np.asarray(latencies)
+    diag = stall_diagnosis(tx, spans)
+    return {"mode": mode, "setting": name, "extra": extra, "n": n, "ok": len(lat), "hogs": hogs,
+            "idle_cores": idle_cores,
+            "errors": errors, "over_1s_share": float((lat > STALL_MS).mean()) if len(lat) else None,
+            "p50_ms": float(np.median(lat)) if len(lat) else None,
+            "p99_ms": float(np.quantile(lat, 0.99)) if len(lat) else None,
+            "max_ms": float(lat.max()) if len(lat) else None,
+            "latencies_ms": lat.tolist(), "stall_phase": diag.dominant_phase,
+            "stall_summary": diag.summary, "phase_excess_ms": diag.phase_excess_ms,
+            "wall_s": time.monotonic() - t_start, "spans_dir": str(spans_dir)}
+
+
+def lat_loop(pair: LocalPair, mode: str, name: str, n: int, latencies: list, errors: list) -> None:
         for i in range(n):
             toks = prompt(PROMPT_LENGTHS[i % len(PROMPT_LENGTHS)], seed=i)
             t0 = time.monotonic()
@@ -51,18 +119,6 @@ def run_one(mode: str, name: str, extra: dict, n: int, out: Path) -> dict:
                 errors.append(f"{type(exc).__name__}: {str(exc)[:200]}")
             print(f"  {mode}/{name} {i + 1}/{n}: {latencies[-1] if latencies else float('nan'):.0f} ms",
                   file=sys.stderr)
-    time.sleep(2)  # let the servers' batch processors flush (they flush on shutdown too)
-    spans = load(spans_dir)
-    tx = transfers(spans)
-    lat = np.asarray(latencies)
-    diag = stall_diagnosis(tx, spans)
-    return {"mode": mode, "setting": name, "extra": extra, "n": n, "ok": len(lat),
-            "errors": errors, "over_1s_share": float((lat > STALL_MS).mean()) if len(lat) else None,
-            "p50_ms": float(np.median(lat)) if len(lat) else None,
-            "p99_ms": float(np.quantile(lat, 0.99)) if len(lat) else None,
-            "latencies_ms": lat.tolist(), "stall_phase": diag.dominant_phase,
-            "stall_summary": diag.summary, "phase_excess_ms": diag.phase_excess_ms,
-            "wall_s": time.monotonic() - t_start, "spans_dir": str(spans_dir)}
 
 
 def figure(results: list[dict]):
@@ -88,6 +144,8 @@ def main() -> int:
     ap.add_argument("--out", default="out/stalls")
     ap.add_argument("--requests", type=int, default=30)
     ap.add_argument("--modes", default="pull,push,bidirectional")
+    ap.add_argument("--hogs", type=int, default=1,
+                    help="CPU-bound processes running while requests are sent (default 1)")
     ap.add_argument("--setting", action="append", default=[],
                     help="NAME=JSON kv_connector_extra_config additions (repeatable)")
     args = ap.parse_args()
@@ -98,9 +156,10 @@ def main() -> int:
     for mode in args.modes.split(","):
         for name, extra in settings:
             print(f"{mode} / {name}: starting", file=sys.stderr)
-            r = run_one(mode, name, json.loads(extra), args.requests, out)
+            r = run_one(mode, name, json.loads(extra), args.requests, out, args.hogs)
             results.append(r)
-            print(f"{mode:14s} {name:16s} over 1 s {r['over_1s_share']:.0%}  p50 {r['p50_ms']:.0f} ms"
+            print(f"{mode:14s} {name:18s} idle {r['idle_cores']:.2f} cores  "
+                  f"over 1 s {r['over_1s_share']:.0%}  p50 {r['p50_ms']:.0f} ms"
                   f"  p99 {r['p99_ms']:.0f} ms  errors {len(r['errors'])}  stall phase "
                   f"{r['stall_phase']}", flush=True)
             (out / "summary.json").write_text(json.dumps(results, indent=2))

@@ -13,6 +13,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
+from kvtune.connectors.progress import EXTRA_CONFIG_KEY as PROGRESS_KEY
+from kvtune.connectors.progress import RECOMMENDED_DELAY_US
 from kvtune.errors import KvtuneError
 from kvtune.local import client
 from kvtune.local.errors import LocalPairError
@@ -68,6 +70,28 @@ def test_kv_transfer_config_per_mode_and_connector(tmp_path, mode, connector):
             assert extra["kv_recompute_threshold"] == 8
         else:
             assert "bidirectional_kv_xfer" not in extra
+    # NIXL's progress thread sleeps (kvtune connectors only): on the decode always, on the
+    # prefill only in pull (a push/bidirectional prefill initiates transfers and must spin).
+    delay_p = p["kv_connector_extra_config"].get(PROGRESS_KEY)
+    delay_d = d["kv_connector_extra_config"].get(PROGRESS_KEY)
+    if connector == "kvtune":
+        assert delay_d == RECOMMENDED_DELAY_US
+        assert delay_p == (RECOMMENDED_DELAY_US if mode == "pull" else None)
+    else:
+        assert delay_p is None and delay_d is None
+
+
+def test_progress_delay_can_be_turned_off_or_overridden(tmp_path):
+    off = LocalPair("pull", workdir=tmp_path, progress_delay_us=None)
+    assert PROGRESS_KEY not in off.kv_transfer_config("decode")["kv_connector_extra_config"]
+    per_role = LocalPair("push", workdir=tmp_path,
+                         role_kv_extra_config={"decode": {PROGRESS_KEY: 5000}})
+    assert per_role.kv_transfer_config("decode")["kv_connector_extra_config"][PROGRESS_KEY] == 5000
+    assert PROGRESS_KEY not in per_role.kv_transfer_config("prefill")["kv_connector_extra_config"]
+    with pytest.raises(LocalPairError, match="progress_delay_us"):
+        LocalPair("pull", workdir=tmp_path, progress_delay_us=-1)
+    with pytest.raises(LocalPairError, match="role_kv_extra_config"):
+        LocalPair("pull", workdir=tmp_path, role_kv_extra_config={"router": {}})
 
 
 def test_requests_need_a_started_pair_and_valid_inputs(tmp_path):

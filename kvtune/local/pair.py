@@ -28,6 +28,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
 
+from kvtune.connectors.progress import EXTRA_CONFIG_KEY as PROGRESS_DELAY_KEY
+from kvtune.connectors.progress import RECOMMENDED_DELAY_US
 from kvtune.local import client, server
 from kvtune.local.errors import LocalPairError
 from kvtune.local.metrics import PromptTokenSources, prompt_token_sources
@@ -189,10 +191,12 @@ class LocalPair(_Servers):
                  model_dir: str | os.PathLike[str] | None = None,
                  extra_env: Mapping[str, str] | None = None,
                  kv_extra_config: Mapping[str, Any] | None = None,
+                 role_kv_extra_config: Mapping[str, Mapping[str, Any]] | None = None,
                  ttl_s: float | None = None, recompute_threshold: int | None = None,
                  prefill_engine_id: str = DEFAULT_PREFILL_ENGINE_ID,
                  decode_engine_id: str = DEFAULT_DECODE_ENGINE_ID,
-                 cpu_cores: tuple[int, int] = (0, 1), warmup_transfer: bool = True) -> None:
+                 cpu_cores: tuple[int, int] = (0, 1), warmup_transfer: bool = True,
+                 progress_delay_us: int | None = RECOMMENDED_DELAY_US) -> None:
         if mode not in MODES:
             raise LocalPairError(f"LocalPair: mode expected one of {MODES}, got {mode!r}")
         if connector not in CONNECTORS:
@@ -215,7 +219,18 @@ class LocalPair(_Servers):
         self.spans_dir = Path(spans_dir) if spans_dir is not None else None
         self.model_dir = Path(model_dir) if model_dir is not None else None
         self.extra_env = dict(extra_env or {})
+        if progress_delay_us is not None and (
+                isinstance(progress_delay_us, bool) or not isinstance(progress_delay_us, int)
+                or progress_delay_us < 0):
+            raise LocalPairError(f"LocalPair: progress_delay_us expected an int >= 0 or None, "
+                                 f"got {progress_delay_us!r}")
+        self.progress_delay_us = progress_delay_us
         self.kv_extra_config = dict(kv_extra_config or {})
+        unknown = set(role_kv_extra_config or {}) - {"prefill", "decode"}
+        if unknown:
+            raise LocalPairError(f"LocalPair: role_kv_extra_config keys expected 'prefill' and/or "
+                                 f"'decode', got {sorted(unknown)}")
+        self.role_kv_extra_config = {k: dict(v) for k, v in (role_kv_extra_config or {}).items()}
         self.ttl_s = ttl_s
         self.recompute_threshold = recompute_threshold
         self.prefill_engine_id = prefill_engine_id
@@ -239,7 +254,13 @@ class LocalPair(_Servers):
             extra["decoder_kv_blocks_ttl"] = self.ttl_s
         if self.recompute_threshold is not None:
             extra["kv_recompute_threshold"] = self.recompute_threshold
+        if (self.connector == "kvtune" and self.progress_delay_us is not None
+                and (role == "decode" or self.mode == "pull")):
+            # NIXL's progress thread sleeps instead of spinning a core (see
+            # kvtune.connectors.progress); not on a prefill that initiates transfers.
+            extra[PROGRESS_DELAY_KEY] = self.progress_delay_us
         extra.update(self.kv_extra_config)
+        extra.update(self.role_kv_extra_config.get(role, {}))
         cfg: dict[str, Any] = {
             "kv_connector": CONNECTOR_CLASSES[(self.connector, self.mode)],
             "kv_role": "kv_producer" if role == "prefill" else "kv_consumer",
