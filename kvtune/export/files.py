@@ -189,8 +189,8 @@ def _report(tuning: Tuning, model: str, files: dict[str, str]) -> str:
               "kvtune router --config router.yaml   # replace PREFILL_HOST / DECODE_HOST first",
               "```", ""]
     if m.value == sc.Mode.PUSH.value:
-        lines += [f"Push mode: start the prefill with `VLLM_NIXL_SIDE_CHANNEL_PORT` equal to "
-                  f"`kv_port` in router.yaml.", ""]
+        lines += ["Push mode: start the prefill with `VLLM_NIXL_SIDE_CHANNEL_PORT` equal to "
+                  "`kv_port` in router.yaml.", ""]
     lines += ["Assumptions and evidence: `recommendation.json`.", ""]
     return "\n".join(lines)
 
