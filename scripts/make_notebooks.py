@@ -132,6 +132,8 @@ NOTEBOOKS: dict[str, list[tuple[str, str]]] = {
                  'print(diag.summary)\n'
                  'diag.table'),
         ("code", 'nb.show(stalls.side_by_side_figure(diag), "side-by-side")'),
+        ("code", 'if diag.slow_trace:\n'
+                 '    nb.show(stalls.timeline_figure(diag, spans), "timeline")'),
     ],
     "tune": [
         ("markdown", "# Tune\nThe whole analysis end to end: recommendation with evidence, "

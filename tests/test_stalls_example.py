@@ -77,3 +77,20 @@ def test_summary_records_before_and_after_for_every_mode() -> None:
         before, after = runs[(mode, "default")], runs[(mode, "sleeping-progress")]
         assert before["ok"] >= 30 and after["ok"] >= 30
         assert after["idle_cores"] < before["idle_cores"]
+
+
+def test_timeline_shows_every_span_of_the_slowest_and_fastest_request() -> None:
+    from kvtune.analysis.stalls import timeline_figure
+
+    spans = _spans("push-default")
+    diag = stall_diagnosis(transfers(spans), spans)
+    fig = timeline_figure(diag, spans)
+    assert len(fig.data) == 2
+    slow = spans[spans["trace_id"] == diag.slow_trace]
+    slow_bar = fig.data[0]
+    assert any("kv.prefill" in y for y in slow_bar.y)
+    assert len(slow_bar.y) == len(slow[slow["name"] != S.SpanName.RETENTION.value])
+    # bars start at their span's offset from the request's first span
+    assert min(slow_bar.base) == 0.0
+    assert max(b + x for b, x in zip(slow_bar.base, slow_bar.x)) == pytest.approx(
+        float(diag.table.set_index("trace_id").loc[diag.slow_trace, "request_ms"]), rel=0.01)

@@ -72,6 +72,7 @@ def _own_request_spans(spans: pd.DataFrame) -> pd.DataFrame:
     if not len(spans) or "name" not in spans.columns:
         return spans.iloc[0:0] if len(spans) else spans
     keep = spans["name"].isin([S.SpanName.QUEUE.value, S.SpanName.PREFILL.value,
+                               S.SpanName.HANDSHAKE.value, S.SpanName.REUSE_DECISION.value,
                                *(p.value for p in S.PHASES)])
     if S.DIRECTION in spans.columns:
         keep &= (spans[S.DIRECTION].astype("object") != S.Direction.REVERSE.value).to_numpy()
@@ -191,3 +192,50 @@ def side_by_side_figure(diag: StallDiagnosis) -> Any:
     fig.update_layout(barmode="stack", yaxis_title="ms",
                       title="Stalled vs fast requests: " + diag.summary)
     return fig
+
+
+def timeline_figure(diag: StallDiagnosis, spans: pd.DataFrame) -> Any:
+    """The slowest stalled request and the fastest one, each span on a time axis from the request's
+    first span (two panels, one row per span name and role): the gaps show where time went."""
+    import plotly.graph_objects as go
+    from plotly.subplots import make_subplots
+
+    picks = [(f"slowest: {diag.slow_trace}", diag.slow_trace),
+             (f"fastest: {diag.fast_trace}", diag.fast_trace)]
+    picks = [(label, t) for label, t in picks if t]
+    if not picks:
+        raise AnalysisError("timeline: no stalled or fast request to show")
+    fig = make_subplots(rows=len(picks), cols=1, subplot_titles=[p[0] for p in picks],
+                        shared_xaxes=False, vertical_spacing=0.22)
+    own = _own_request_spans(spans)
+    for row, (_, trace) in enumerate(picks, start=1):
+        sel = own[own["trace_id"] == trace].sort_values("start_ns")
+        if not len(sel):
+            continue
+        t0 = int(sel["start_ns"].min())
+        role = (sel[S.ROLE].astype("object").fillna("?") if S.ROLE in sel.columns
+                else pd.Series("?", index=sel.index))
+        labels = [f"{r} {n}" for r, n in zip(role, sel["name"])]
+        fig.add_trace(go.Bar(
+            y=labels, x=[max(float(d), 0.05) for d in sel["duration_ms"]],
+            base=[(int(s) - t0) / 1e6 for s in sel["start_ns"]], orientation="h",
+            showlegend=False, hovertemplate="%{y}: %{x:.1f} ms from %{base:.1f} ms",
+            marker_color=[_span_color(n) for n in sel["name"]]), row=row, col=1)
+        fig.update_xaxes(title_text="ms since the request's first span", row=row, col=1)
+        fig.update_yaxes(autorange="reversed", row=row, col=1)
+    fig.update_layout(title="Where the time went<br><sup>" + diag.summary + "</sup>",
+                      height=320 * len(picks))
+    return fig
+
+
+def _span_color(name: str) -> str:
+    from kvtune.plots import PHASE_COLORS
+
+    if name == S.SpanName.PREFILL.value:
+        return PHASE_COLORS.get("prefill_ms", "#7f7f7f")
+    if name == S.SpanName.QUEUE.value:
+        return "#bcbd22"
+    for phase in S.PHASES:
+        if phase.value == name:
+            return PHASE_COLORS.get(S.PHASE_COLUMNS[phase], "#aaaaaa")
+    return "#aaaaaa"  # handshake, reuse decision
