@@ -122,3 +122,22 @@ def test_read_between_sleeping_agents_completes() -> None:
     finally:
         a.deregister_memory(reg_a)
         b.deregister_memory(reg_b)
+
+
+@pytest.mark.parametrize("push, bidirectional, expected", [(False, False, 1000), (True, False, None),
+                                                          (False, True, None)])
+def test_connectors_apply_the_delay_in_pull_mode_only(push, bidirectional, expected, caplog) -> None:
+    from types import SimpleNamespace
+
+    from kvtune.connectors.worker import _progress_delay_of
+
+    extra = {EXTRA_CONFIG_KEY: 1000, "bidirectional_kv_xfer": bidirectional}
+    cfg = SimpleNamespace(kv_transfer_config=SimpleNamespace(kv_role="kv_consumer",
+                                                             kv_connector_extra_config=extra))
+    assert _progress_delay_of(cfg, push=push) == expected
+    if expected is None:
+        assert any("pull mode only" in r.getMessage() for r in caplog.records)
+    bad = SimpleNamespace(kv_transfer_config=SimpleNamespace(
+        kv_role="kv_producer", kv_connector_extra_config={EXTRA_CONFIG_KEY: "fast"}))
+    with pytest.raises(ConnectorError, match=EXTRA_CONFIG_KEY):
+        _progress_delay_of(bad, push=push)

@@ -12,7 +12,9 @@ traffic, or after ``delay`` (NIXL rounds it up to whole milliseconds) to progres
 
 kvtune's connectors apply it when ``kv_connector_extra_config`` carries
 ``kvtune_progress_delay_us`` (:data:`EXTRA_CONFIG_KEY`): the agent vLLM creates in the worker's
-``__init__`` is built with that delay. Nothing else about the agent changes.
+``__init__`` is built with that delay. Nothing else about the agent changes. Pull mode only: push
+and bidirectional transfers were measured to hang with a sleeping progress thread on either side
+(``kvtune.connectors.worker``), so the connectors ignore the key there with a warning.
 """
 from __future__ import annotations
 

@@ -57,17 +57,20 @@ LEASE_EXPIRED = "kv_lease_expired"
 def _progress_delay_of(vllm_config: Any, push: bool) -> int | None:
     """The NIXL progress-thread delay this worker's agent gets (see ``kvtune.connectors.progress``).
 
-    Not on a prefill that initiates transfers (push WRITEs, bidirectional reverse READs): there a
-    sleeping progress thread was measured to hang the first transfer until the lease expired."""
+    Pull mode only. In push and bidirectional mode the prefill initiates transfers (WRITEs,
+    reverse READs) and a sleeping progress thread on either side was measured to hang them:
+    with it on the prefill, the first push WRITE waited for the 120 s lease and the bidirectional
+    prefill's worker timed out; with it on the decode alone, single push and bidirectional
+    requests stalled for 160-200 s and a bidirectional prefill worker hung for 5 minutes."""
     cfg = vllm_config.kv_transfer_config
     extra = getattr(cfg, "kv_connector_extra_config", None) or {}
     delay = delay_from_extra_config(extra)
-    initiating_prefill = role_of(cfg.kv_role) is spans.Role.PREFILL and (
-        push or bool(extra.get("bidirectional_kv_xfer", False)))
-    if delay is not None and initiating_prefill:
-        _log.warning("kvtune: %s ignored on a %s prefill (its NIXL agent initiates transfers and "
-                     "hangs with a sleeping progress thread); it applies to the decode",
-                     PROGRESS_KEY, "push" if push else "bidirectional")
+    mode = "push" if push else (
+        "bidirectional" if extra.get("bidirectional_kv_xfer", False) else "pull")
+    if delay is not None and mode != "pull":
+        _log.warning("kvtune: %s ignored in %s mode (its transfers were measured to hang with a "
+                     "sleeping NIXL progress thread); it applies to pull mode only",
+                     PROGRESS_KEY, mode)
         return None
     return delay
 

@@ -255,9 +255,9 @@ class LocalPair(_Servers):
         if self.recompute_threshold is not None:
             extra["kv_recompute_threshold"] = self.recompute_threshold
         if (self.connector == "kvtune" and self.progress_delay_us is not None
-                and (role == "decode" or self.mode == "pull")):
+                and self.mode == "pull"):
             # NIXL's progress thread sleeps instead of spinning a core (see
-            # kvtune.connectors.progress); not on a prefill that initiates transfers.
+            # kvtune.connectors.progress); pull mode only (push/bidirectional transfers hang).
             extra[PROGRESS_DELAY_KEY] = self.progress_delay_us
         extra.update(self.kv_extra_config)
         extra.update(self.role_kv_extra_config.get(role, {}))

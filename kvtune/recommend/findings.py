@@ -134,12 +134,11 @@ def _stalls_outside_transfer(transfers: pd.DataFrame, spans: pd.DataFrame) -> Fi
         if sc.ROLE in seen.columns:
             dec = seen[(seen[sc.ROLE].astype("object") == sc.Role.DECODE.value).to_numpy()]
             decode_delays = [int(d) for d in dec[sc.NIXL_PROGRESS_DELAY_US]]
-    # The decode's agent can always sleep (a push/bidirectional prefill's cannot): judge by it.
     spinning = not decode_delays or min(decode_delays) == 0
     advice = (f"if each engine has about one CPU core, NIXL's progress thread spinning a core per "
               f"agent is the likely cause: set kv_connector_extra_config.{EXTRA_CONFIG_KEY}="
-              f"{RECOMMENDED_DELAY_US} (kvtune connectors; the decode side in push and "
-              f"bidirectional), or give each engine spare cores" if spinning else
+              f"{RECOMMENDED_DELAY_US} (kvtune connectors, pull mode; push and bidirectional "
+              f"transfers hang with it), or give each engine spare cores" if spinning else
               "NIXL's progress threads already sleep here: look for other CPU-bound work on the "
               "engines' cores")
     return Finding(
