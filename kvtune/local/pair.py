@@ -58,7 +58,15 @@ REQUEST_TIMEOUT_S: Final = 300.0
 DEFAULT_PREFILL_ENGINE_ID: Final = "kvtune-local-prefill"
 DEFAULT_DECODE_ENGINE_ID: Final = "kvtune-local-decode"
 WARMUP_PROMPT: Final = (11, 12, 13, 14, 15, 16, 17, 18)
-WARMUP_ATTEMPTS: Final = 3
+WARMUP_ATTEMPTS: Final = 2
+"""P/D warm-up attempts per pair start."""
+PAIR_START_ATTEMPTS: Final = 2
+"""Whole-pair starts: a P/D warm-up that fails every attempt stops both servers and starts anew
+(a worker that hangs in the first reverse contact of a bidirectional pair never recovers: vLLM's
+execute-model timeout kills its engine after minutes)."""
+WARMUP_LEG_TIMEOUT_S: Final = 150.0
+"""Per-leg HTTP timeout during the P/D warm-up (first-contact handshakes took up to 100 s on a
+loaded machine; a hung worker takes longer than this)."""
 WARMUP_MAX_OUTPUT_TOKENS: Final = 1024
 VLLM_DEFAULT_RECOMPUTE_THRESHOLD: Final = 64
 """vLLM 0.32's ``kv_recompute_threshold`` default (``NixlBaseConnectorScheduler``)."""
@@ -170,7 +178,8 @@ class _Servers:
     def _call(self, srv: VllmServer, leg: str, body: Mapping[str, Any],
               headers: Mapping[str, str]) -> client.CompletionResponse:
         try:
-            return client.complete(srv.url, body, headers=headers, timeout_s=REQUEST_TIMEOUT_S)
+            return client.complete(srv.url, body, headers=headers,
+                                   timeout_s=getattr(self, "_leg_timeout_s", REQUEST_TIMEOUT_S))
         except client.HttpError as exc:
             exited = srv.exited()
             state = f" (server exited with code {exited})" if exited is not None else ""
@@ -310,6 +319,19 @@ class LocalPair(_Servers):
         if self.spans_dir is not None:
             self.spans_dir.mkdir(parents=True, exist_ok=True)
             env[SPANS_DIR_ENV] = str(self.spans_dir.resolve())
+        for pair_attempt in range(1, PAIR_START_ATTEMPTS + 1):
+            try:
+                self._start_once(model_dir, env)
+                return self
+            except LocalPairError as exc:
+                if pair_attempt == PAIR_START_ATTEMPTS or not self.warmup_transfer:
+                    raise
+                _log.warning("LocalPair %s: P/D warm-up failed on start %d/%d; restarting both "
+                             "servers: %s", self.mode, pair_attempt, PAIR_START_ATTEMPTS,
+                             str(exc).splitlines()[0][:300])
+        raise AssertionError("unreachable")
+
+    def _start_once(self, model_dir: Path, env: dict[str, str]) -> None:
         p_port, d_port, p_side, d_side = free_ports(4)
         self.prefill = VllmServer(
             "prefill", model_dir=model_dir, workdir=self.workdir, port=p_port,
@@ -327,11 +349,14 @@ class LocalPair(_Servers):
                                                  stream=False, kv_transfer_params=None),
                            {"X-Request-Id": f"kvtune-warmup-{srv.name}-{uuid.uuid4().hex[:8]}"})
             if self.warmup_transfer:
-                self._warmup_transfers()
+                self._leg_timeout_s = WARMUP_LEG_TIMEOUT_S
+                try:
+                    self._warmup_transfers()
+                finally:
+                    del self._leg_timeout_s
         except BaseException:
             self.stop()
             raise
-        return self
 
     def _warmup_transfers(self) -> None:
         """P/D warm-up so that every NIXL handshake of this mode is done before the caller's
