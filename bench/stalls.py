@@ -12,8 +12,8 @@ A setting is NAME=JSON: ``kv_connector_extra_config`` additions for both servers
 ``{"prefill": {...}, "decode": {...}}`` for one side each.
 
     .venv/bin/python bench/stalls.py --out out/stalls --requests 30 --hogs 1 \
-        --setting 'default={}' \
-        --setting 'sleeping-progress={"decode": {"kvtune_progress_delay_us": 1000}}'
+        --setting 'default={"kvtune_progress_delay_us": null}' \
+        --setting 'sleeping-progress={"kvtune_progress_delay_us": 1000}'
 """
 from __future__ import annotations
 
@@ -42,25 +42,20 @@ def prompt(n: int, seed: int) -> list[int]:
 
 
 def server_cpu_s(pair: LocalPair) -> float:
-    """CPU seconds used so far by both servers' process trees (API server, engine, worker)."""
-    pids = [s.proc.pid for s in (pair.prefill, pair.decode) if s is not None and s.proc]
-    tree = set(pids)
+    """CPU seconds used so far by both servers' processes (API server, engine, worker): each server
+    leads its own session, so its processes are those whose session id is its pid."""
+    sessions = {s.proc.pid for s in (pair.prefill, pair.decode) if s is not None and s.proc}
+    ticks = 0
     for p in os.listdir("/proc"):
-        if p.isdigit():
-            try:
-                st = open(f"/proc/{p}/stat").read().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(st[1]) in tree or int(st[3]) in tree:  # child, or same session (the server leads its own)
-                tree.add(int(p))
-    total = 0
-    for p in tree:
+        if not p.isdigit():
+            continue
         try:
             st = open(f"/proc/{p}/stat").read().rsplit(")", 1)[1].split()
         except OSError:
             continue
-        total += int(st[11]) + int(st[12])
-    return total / os.sysconf("SC_CLK_TCK")
+        if int(st[3]) in sessions:
+            ticks += int(st[11]) + int(st[12])
+    return ticks / os.sysconf("SC_CLK_TCK")
 
 
 def split_roles(extra: dict) -> tuple[dict, dict]:
@@ -108,17 +103,17 @@ def run_one(mode: str, name: str, extra: dict, n: int, out: Path, hogs: int) -> 
 
 
 def lat_loop(pair: LocalPair, mode: str, name: str, n: int, latencies: list, errors: list) -> None:
-        for i in range(n):
-            toks = prompt(PROMPT_LENGTHS[i % len(PROMPT_LENGTHS)], seed=i)
-            t0 = time.monotonic()
-            try:
-                conv = f"c{i // 2}" if mode == "bidirectional" else None
-                pair.complete(toks, MAX_TOKENS, conversation=conv)
-                latencies.append((time.monotonic() - t0) * 1e3)
-            except Exception as exc:  # noqa: BLE001 - recorded and reported
-                errors.append(f"{type(exc).__name__}: {str(exc)[:200]}")
-            print(f"  {mode}/{name} {i + 1}/{n}: {latencies[-1] if latencies else float('nan'):.0f} ms",
-                  file=sys.stderr)
+    for i in range(n):
+        toks = prompt(PROMPT_LENGTHS[i % len(PROMPT_LENGTHS)], seed=i)
+        t0 = time.monotonic()
+        try:
+            conv = f"c{i // 2}" if mode == "bidirectional" else None
+            pair.complete(toks, MAX_TOKENS, conversation=conv)
+            latencies.append((time.monotonic() - t0) * 1e3)
+        except Exception as exc:  # noqa: BLE001 - recorded and reported
+            errors.append(f"{type(exc).__name__}: {str(exc)[:200]}")
+        print(f"  {mode}/{name} {i + 1}/{n}: {latencies[-1] if latencies else float('nan'):.0f} ms",
+              file=sys.stderr)
 
 
 def figure(results: list[dict]):

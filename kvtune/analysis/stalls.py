@@ -79,21 +79,19 @@ def _own_request_spans(spans: pd.DataFrame) -> pd.DataFrame:
     return spans[keep.to_numpy(dtype=bool)]
 
 
-def _gaps(spans: pd.DataFrame) -> pd.DataFrame:
-    """Per trace: :data:`GAP_COLS` from the forward prefill, the decode's ``kv.queue`` and the
-    first transfer span after it (handshake, registration, descriptor setup)."""
-    if not len(spans) or S.ROLE not in spans.columns:
+def _gaps(own: pd.DataFrame) -> pd.DataFrame:
+    """Per trace: :data:`GAP_COLS` from the prefill, the decode's ``kv.queue`` and the first
+    transfer span after it (handshake, registration, descriptor setup); ``own`` is
+    :func:`_own_request_spans` (no reverse transfer)."""
+    if not len(own) or S.ROLE not in own.columns:
         return pd.DataFrame(columns=list(GAP_COLS))
-    role = spans[S.ROLE].astype("object")
-    fwd = (spans[S.DIRECTION].astype("object") != S.Direction.REVERSE.value
-           if S.DIRECTION in spans.columns else pd.Series(True, index=spans.index))
-    pre_end = spans[(spans["name"] == S.SpanName.PREFILL.value) & fwd].groupby(
-        "trace_id")["end_ns"].min()
-    dq = spans[(spans["name"] == S.SpanName.QUEUE.value) & (role == S.Role.DECODE.value)]
+    role = own[S.ROLE].astype("object")
+    pre_end = own[own["name"] == S.SpanName.PREFILL.value].groupby("trace_id")["end_ns"].min()
+    dq = own[(own["name"] == S.SpanName.QUEUE.value) & (role == S.Role.DECODE.value)]
     dq_start = dq.groupby("trace_id")["start_ns"].min()
     dq_end = dq.groupby("trace_id")["end_ns"].min()
-    first = spans[spans["name"].isin([S.SpanName.HANDSHAKE.value, S.SpanName.REGISTRATION.value,
-                                      S.SpanName.DESCRIPTOR_SETUP.value]) & fwd]
+    first = own[own["name"].isin([S.SpanName.HANDSHAKE.value, S.SpanName.REGISTRATION.value,
+                                  S.SpanName.DESCRIPTOR_SETUP.value])]
     first_start = first.groupby("trace_id")["start_ns"].min()
     out = pd.DataFrame(index=pd.Index(sorted(set(dq_start.index)), name="trace_id"))
     out["handoff_ms"] = ((dq_start - pre_end).reindex(out.index).astype(float) / 1e6).clip(lower=0)
@@ -102,9 +100,8 @@ def _gaps(spans: pd.DataFrame) -> pd.DataFrame:
     return out
 
 
-def _request_times(spans: pd.DataFrame, tx: pd.DataFrame) -> pd.DataFrame:
+def _request_times(spans: pd.DataFrame, own: pd.DataFrame, tx: pd.DataFrame) -> pd.DataFrame:
     req = spans[spans["name"] == S.SpanName.REQUEST.value] if len(spans) else spans
-    own = _own_request_spans(spans)
     if len(req):
         out = req.groupby("trace_id").agg(start_ns=("start_ns", "min"), end_ns=("end_ns", "max"))
     elif len(own):
@@ -121,7 +118,8 @@ def stall_diagnosis(tx: pd.DataFrame, spans: pd.DataFrame | None = None, *,
                     threshold_ms: float = STALL_MS) -> StallDiagnosis:
     """Split each request's time by phase and name the phase that holds the stalls."""
     spans = spans if spans is not None else pd.DataFrame(columns=["name", "trace_id"])
-    req = _request_times(spans, tx)
+    own = _own_request_spans(spans)
+    req = _request_times(spans, own, tx)
     cols = [c for c in PHASE_COLS if c in tx.columns]
     per = (tx.groupby("trace_id")[cols].sum(min_count=1).astype(float) if len(tx)
            else pd.DataFrame(columns=cols, dtype=float))
@@ -134,7 +132,7 @@ def stall_diagnosis(tx: pd.DataFrame, spans: pd.DataFrame | None = None, *,
         sel = que[que[S.ROLE] == role] if len(que) and S.ROLE in que.columns else que.iloc[0:0]
         table[col] = (sel.groupby("trace_id")["duration_ms"].sum().astype(float)
                       if len(sel) else np.nan)
-    gaps = _gaps(spans)
+    gaps = _gaps(own)
     for col in GAP_COLS:
         table[col] = gaps[col] if len(gaps) else np.nan
     covered = table[cols + list(EXTRA_COLS[:-1])].fillna(0).sum(axis=1)

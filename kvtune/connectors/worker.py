@@ -80,6 +80,13 @@ class _WorkerHooks:
 
     _KVT_MODE = spans.Mode.PULL
 
+    def __init__(self, vllm_config: Any, engine_id: str, kv_cache_config: Any) -> None:
+        delay = _progress_delay_of(vllm_config, push=self._KVT_MODE is spans.Mode.PUSH)
+        with progress_delay(delay):
+            super().__init__(vllm_config, engine_id, kv_cache_config)  # vLLM's worker (MRO)
+        self._kvt_progress_delay = 0 if delay is None else delay
+        GUARD.run("worker.setup", self._kvt_setup)
+
     def _kvt_setup(self) -> None:
         cfg = self.vllm_config.kv_transfer_config
         bidir = bool(cfg.get_from_extra_config("bidirectional_kv_xfer", False))
@@ -88,8 +95,7 @@ class _WorkerHooks:
                           tp_rank=getattr(self, "tp_rank", None))
         backends = getattr(self, "nixl_backends", None) or ["UCX"]
         emitter.common[spans.NIXL_BACKEND] = str(backends[0])
-        emitter.common[spans.NIXL_PROGRESS_DELAY_US] = int(
-            getattr(self, "_kvt_progress_delay_us", 0))
+        emitter.common[spans.NIXL_PROGRESS_DELAY_US] = self._kvt_progress_delay
         self._kvt_init(emitter)
 
     def _kvt_init(self, emitter: Emitter) -> None:
@@ -226,13 +232,6 @@ class KvtunePullWorker(_WorkerHooks, NixlPullConnectorWorker):
 
     _KVT_MODE = spans.Mode.PULL
 
-    def __init__(self, vllm_config: Any, engine_id: str, kv_cache_config: Any) -> None:
-        delay = _progress_delay_of(vllm_config, push=False)
-        with progress_delay(delay):
-            super().__init__(vllm_config, engine_id, kv_cache_config)
-        self._kvt_progress_delay_us = 0 if delay is None else delay
-        GUARD.run("worker.setup", self._kvt_setup)
-
     def start_load_kv(self, metadata: Any) -> None:
         GUARD.run("worker.metadata", self._kvt_on_metadata, metadata)
         return super().start_load_kv(metadata)
@@ -301,13 +300,6 @@ class KvtunePushWorker(_WorkerHooks, NixlPushConnectorWorker):
     thread; they carry their parent explicitly, so they keep it)."""
 
     _KVT_MODE = spans.Mode.PUSH
-
-    def __init__(self, vllm_config: Any, engine_id: str, kv_cache_config: Any) -> None:
-        delay = _progress_delay_of(vllm_config, push=True)
-        with progress_delay(delay):
-            super().__init__(vllm_config, engine_id, kv_cache_config)
-        self._kvt_progress_delay_us = 0 if delay is None else delay
-        GUARD.run("worker.setup", self._kvt_setup)
 
     def _kvt_init(self, emitter: Emitter) -> None:
         super()._kvt_init(emitter)

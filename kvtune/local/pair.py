@@ -156,6 +156,8 @@ class _Servers:
     """Shared start/stop/logs of a set of servers."""
 
     _servers: list[VllmServer]
+    _leg_timeout_s: float = REQUEST_TIMEOUT_S
+    """Per-leg HTTP timeout; an instance value overrides it for a while (the P/D warm-up)."""
 
     def _start_servers(self) -> None:
         try:
@@ -179,7 +181,7 @@ class _Servers:
               headers: Mapping[str, str]) -> client.CompletionResponse:
         try:
             return client.complete(srv.url, body, headers=headers,
-                                   timeout_s=getattr(self, "_leg_timeout_s", REQUEST_TIMEOUT_S))
+                                   timeout_s=self._leg_timeout_s)
         except client.HttpError as exc:
             exited = srv.exited()
             state = f" (server exited with code {exited})" if exited is not None else ""

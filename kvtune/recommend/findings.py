@@ -5,7 +5,10 @@ import pandas as pd
 
 from kvtune import spans as sc
 from kvtune.analysis.fit import FloorFit
+from kvtune.analysis.stalls import EXTRA_COLS, stall_diagnosis
 from kvtune.analysis.workload import Workload
+from kvtune.connectors.progress import EXTRA_CONFIG_KEY, RECOMMENDED_DELAY_US
+from kvtune.errors import AnalysisError
 from kvtune.recommend.results import Finding
 
 STALL_MS = 1000.0
@@ -20,8 +23,7 @@ EXPIRED_SHARE = 0.2
 """More than this share of reuse decisions finding expired history suggests a too-short TTL."""
 STARVED_SHARE = 0.05
 """At least this share of requests over 1 s, with the time outside the transfer, is a finding."""
-OUTSIDE_TRANSFER_COLS = ("queue_prefill_ms", "queue_decode_ms", "prefill_ms", "handoff_ms",
-                         "dispatch_ms", "uncovered_ms")
+OUTSIDE_TRANSFER_COLS = EXTRA_COLS
 """Stall-diagnosis columns that are not the KV transfer itself."""
 
 
@@ -112,10 +114,6 @@ def _stalls_outside_transfer(transfers: pd.DataFrame, spans: pd.DataFrame) -> Fi
     agent (``pthrDelay = 0``), and where each engine has about one core it starves the engine's own
     threads. The spans show it as time in the engines' queues and between phases, while READ/WRITE
     and descriptor setup stay short."""
-    from kvtune.analysis.stalls import stall_diagnosis
-    from kvtune.connectors.progress import EXTRA_CONFIG_KEY, RECOMMENDED_DELAY_US
-    from kvtune.errors import AnalysisError
-
     try:
         diag = stall_diagnosis(transfers, spans)
     except AnalysisError:
