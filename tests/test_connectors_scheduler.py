@@ -256,3 +256,31 @@ def test_push_facade_builds_kvtune_scheduler() -> None:
                                    KVConnectorRole.SCHEDULER, _kv_cache_config())
     assert isinstance(conn.connector_scheduler, KvtunePushScheduler)
     assert conn.connector_scheduler._kvt.mode is spans.Mode.PUSH
+
+
+def test_spans_name_the_vllm_and_nixl_releases_they_ran_on(
+        tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The connectors' own telemetry (``KVTUNE_SPANS_DIR``): the spans' resource carries the
+    vLLM this process imported and the installed NIXL (run on each release by ``make test``)."""
+    import vllm
+
+    from kvtune import telemetry
+    from kvtune.traces import load
+
+    monkeypatch.setattr(telemetry, "_FROM_ENV", {})
+    monkeypatch.setenv("KVTUNE_SPANS_DIR", str(tmp_path))
+    conn = KvtuneNixlPullConnector(_config("kv_producer"), KVConnectorRole.SCHEDULER,
+                                   _kv_cache_config())
+    sched = conn.connector_scheduler
+    assert sched._kvt.telemetry is not None
+    req = Request("cmpl-ver-0-44444444", list(range(1, 9)),
+                  SamplingParams(max_tokens=1, extra_args={"kv_transfer_params":
+                                                           {"do_remote_decode": True}}),
+                  None, arrival_time=time.time() - 0.5)
+    conn.get_num_new_matched_tokens(req, 0)
+    sched._kvt.telemetry.shutdown()
+    df = load(tmp_path)
+    assert list(df["name"]) == [spans.SpanName.QUEUE.value]
+    res = df["resource"].iloc[0]
+    assert res[spans.VLLM_VERSION] == vllm.__version__
+    assert res[spans.NIXL_VERSION] == compat.installed_nixl_version() != "not installed"

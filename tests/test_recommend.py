@@ -236,3 +236,49 @@ def test_recommend_bad_input():
         recommend(one_size)
     with pytest.raises(ConfigError, match="hbm_budget_gb"):
         recommend(one_size, hbm_budget_gb=-1)
+
+
+def _versioned(spans, decode_vllm: str):
+    """The spans as two processes would export them: prefill on vLLM 0.32.0, decode on
+    ``decode_vllm``, both NIXL 1.5.1 (resource attributes, as kvtune.telemetry sets them)."""
+    spans = spans.copy()
+    decode = (spans[sc.ROLE].astype("object") == sc.Role.DECODE.value).fillna(False).to_numpy()
+    res_p = {sc.SERVICE_NAME: "kvtune-prefill", sc.VLLM_VERSION: "0.32.0", sc.NIXL_VERSION: "1.5.1"}
+    res_d = {sc.SERVICE_NAME: "kvtune-decode", sc.VLLM_VERSION: decode_vllm,
+             sc.NIXL_VERSION: "1.5.1"}
+    spans["resource"] = [res_d if d else res_p for d in decode]
+    spans["service"] = ["kvtune-decode" if d else "kvtune-prefill" for d in decode]
+    return spans
+
+
+def test_versions_from_resources_reach_recommendation_json_and_report(tmp_path):
+    import json
+
+    from kvtune.export import files
+
+    spans = _versioned(syn.serving_spans(syn.SyntheticWorkload(n_conversations=6), mode="pull",
+                                         seed=3), "0.32.0")
+    tu = recommend(spans, n_boot=10, use_simulator=False)
+    assert tu.extra["versions"] == {"vllm": {"0.32.0": ["kvtune-decode", "kvtune-prefill"]},
+                                    "nixl": {"1.5.1": ["kvtune-decode", "kvtune-prefill"]}}
+    assert "mixed_versions" not in {f.code for f in tu.findings}
+    out = files.write(tu, tmp_path / "rec")
+    rec = json.loads((out / "recommendation.json").read_text())
+    assert rec["versions"]["vllm"] == {"0.32.0": ["kvtune-decode", "kvtune-prefill"]}
+    assert "Measured on vLLM 0.32.0, NIXL 1.5.1." in (out / "REPORT.md").read_text()
+
+
+def test_a_trace_mixing_vllm_releases_gets_a_finding(tmp_path):
+    spans = _versioned(syn.serving_spans(syn.SyntheticWorkload(n_conversations=6), mode="pull",
+                                         seed=3), "0.33.0")
+    tu = recommend(spans, n_boot=10, use_simulator=False)
+    (mixed,) = [f for f in tu.findings if f.code == "mixed_versions"]
+    assert mixed.severity == "warning"
+    assert mixed.evidence["versions"] == {"vllm": {"0.32.0": ["kvtune-prefill"],
+                                                   "0.33.0": ["kvtune-decode"]}}
+    assert "vllm 0.32.0 (kvtune-prefill), 0.33.0 (kvtune-decode)" in mixed.message
+    # Spans without version attributes (older exports) name nothing and find nothing.
+    plain = syn.serving_spans(syn.SyntheticWorkload(n_conversations=6), mode="pull", seed=3)
+    tu = recommend(plain, n_boot=10, use_simulator=False)
+    assert tu.extra["versions"] == {"vllm": {}, "nixl": {}}
+    assert "mixed_versions" not in {f.code for f in tu.findings}

@@ -1,32 +1,52 @@
-"""The vLLM versions kvtune's connectors support, and every vLLM method they wrap.
+"""The vLLM versions kvtune's connectors support, and every vLLM method they override.
 
-vLLM's NIXL connector internals move between releases. At start-up :func:`check` looks up each
-entry of :data:`WRAPPED` (class, method and the parameters kvtune reads) in the installed vLLM.
-On a mismatch it says which methods are missing, then either the connectors run *uninstrumented*
-(exactly vLLM's own classes, with a warning) or, with ``kv_connector_extra_config:
-{"kvtune_strict": true}``, they refuse with :class:`~kvtune.errors.ConnectorError`. They are never
-half-instrumented.
+vLLM's NIXL connector internals move between releases. The table of overridden methods is derived
+from the overrides themselves: each kvtune connector class is registered with
+:func:`instrumented`, each method of it that replaces vLLM's carries :func:`overrides` (naming the
+span(s) it feeds), and :func:`wrapped_methods` reads them: vLLM class (the registered class's vLLM
+base), method name and the parameters kvtune reads (the override's own named parameters, which it
+passes on to vLLM's). :func:`registry_diff` finds overrides without the mark and marks on methods
+vLLM does not have; a test keeps both empty.
+
+At start-up :func:`check` looks up each entry in the installed vLLM. On a mismatch it says which
+methods are missing, then either the connectors run *uninstrumented* (exactly vLLM's own classes,
+with a warning) or, with ``kv_connector_extra_config: {"kvtune_strict": true}``, they refuse with
+:class:`~kvtune.errors.ConnectorError`. They are never half-instrumented.
+
+``python -m kvtune.connectors.compat`` prints the installed vLLM and NIXL versions and the outcome
+(exit status 0 when the version is supported and every method was found).
 """
 from __future__ import annotations
 
 import importlib
 import inspect
 import logging
+import sys
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Final
+from typing import Any, Final, TypeVar
 
 from kvtune import spans
+from kvtune.connectors.nixl_agent import OBSERVED_METHODS
 from kvtune.errors import ConnectorError
 
 _logger = logging.getLogger("kvtune.connectors")
 
-SUPPORTED_VLLM_VERSIONS: Final = ("0.32.0",)
-"""vLLM releases whose NIXL connector internals kvtune was built and tested against."""
+VLLM_REQUIREMENT: Final = "vllm>=0.32,<0.34"
+"""The ``vllm`` extra of ``pyproject.toml`` (a test keeps them equal): the releases pip may pick."""
+SUPPORTED_VLLM_VERSIONS: Final = ("0.32.0", "0.33.0")
+"""vLLM releases the in-process connector suite passes on (``make test`` runs it on each)."""
 STRICT_KEY: Final = "kvtune_strict"
 """``kv_connector_extra_config`` key: true -> refuse to start on a mismatch."""
 NIXL_PKG: Final = "vllm.distributed.kv_transfer.kv_connector.v1.nixl"
+OVERRIDE_MODULES: Final = ("kvtune.connectors.scheduler", "kvtune.connectors.worker",
+                           "kvtune.connectors.connector")
+"""Modules whose classes register with :func:`instrumented` (they import vLLM)."""
 
 _S = spans.SpanName
+_MARK: Final = "__kvtune_overrides__"
+_F = TypeVar("_F", bound=Callable[..., Any])
+_C = TypeVar("_C", bound=type)
 
 
 @dataclass(frozen=True)
@@ -47,80 +67,104 @@ class WrappedMethod:
         return f"{self.cls}.{self.method}"
 
 
-def _w(module: str, cls: str, method: str, params: tuple[str, ...], *phases: _S | str) -> WrappedMethod:
-    return WrappedMethod(module, cls, method, params,
-                         ", ".join(p.value if isinstance(p, _S) else p for p in phases))
+def overrides(*feeds: _S | str) -> Callable[[_F], _F]:
+    """Mark a method of a kvtune connector class as replacing vLLM's method of the same name.
+
+    ``feeds``: the span(s) (or a few words on what) the override feeds."""
+    if not feeds:
+        raise TypeError("overrides(): name at least one span or purpose the override feeds")
+    phase = ", ".join(f.value if isinstance(f, _S) else str(f) for f in feeds)
+
+    def mark(fn: _F) -> _F:
+        setattr(fn, _MARK, phase)
+        return fn
+    return mark
 
 
-WRAPPED: Final[tuple[WrappedMethod, ...]] = (
-    # Facades: kvtune builds its own scheduler/worker subclasses after the base initialiser.
-    _w("connector", "NixlBaseConnector", "__init__", ("vllm_config", "role", "kv_cache_config"),
-       "construction"),
-    _w("connector", "NixlPullConnector", "start_load_kv", ("forward_context",), "construction"),
-    _w("connector", "NixlPushConnector", "start_load_kv", ("forward_context",), "construction"),
-    # Scheduler side (both modes).
-    _w("pull_scheduler", "NixlPullConnectorScheduler", "get_num_new_matched_tokens",
-       ("request", "num_computed_tokens"), _S.QUEUE, _S.PREFILL, _S.REUSE_DECISION),
-    _w("pull_scheduler", "NixlPullConnectorScheduler", "update_state_after_alloc",
-       ("request", "blocks", "num_external_tokens"), _S.PREFILL, _S.REUSE_DECISION),
-    _w("pull_scheduler", "NixlPullConnectorScheduler", "request_finished",
-       ("request", "block_ids"), _S.PREFILL, _S.RETENTION),
-    _w("base_scheduler", "NixlBaseConnectorScheduler", "build_connector_meta",
-       ("scheduler_output",), _S.DECODE_START, "metadata to workers"),
-    _w("base_scheduler", "NixlBaseConnectorScheduler", "update_connector_output",
-       ("connector_output",), _S.DECODE_START),
-    _w("push_scheduler", "NixlPushConnectorScheduler", "get_num_new_matched_tokens",
-       ("request", "num_computed_tokens"), _S.QUEUE, _S.PREFILL),
-    _w("push_scheduler", "NixlPushConnectorScheduler", "update_state_after_alloc",
-       ("request", "blocks", "num_external_tokens"), _S.PREFILL, _S.REGISTRATION),
-    _w("push_scheduler", "NixlPushConnectorScheduler", "request_finished",
-       ("request", "block_ids"), _S.PREFILL, _S.RENDEZVOUS),
-    _w("push_scheduler", "NixlPushConnectorScheduler", "build_connector_meta",
-       ("scheduler_output",), _S.DECODE_START, "metadata to workers"),
-    _w("push_scheduler", "NixlPushConnectorScheduler", "update_connector_output",
-       ("connector_output",), _S.DECODE_START),
-    # Worker side (both modes).
-    _w("base_worker", "NixlBaseConnectorWorker", "__init__",
-       ("vllm_config", "engine_id", "kv_cache_config"), "NIXL agent proxy"),
-    _w("base_worker", "NixlBaseConnectorWorker", "_nixl_handshake",
-       ("host", "port", "remote_tp_size", "expected_engine_id"), _S.HANDSHAKE),
-    _w("base_worker", "NixlBaseConnectorWorker", "_reap_expired_send_leases",
-       ("done_sending",), _S.RETENTION, _S.NOTIFY),
-    _w("base_worker", "NixlBaseConnectorWorker", "shutdown", (), _S.RETENTION),
-    _w("base_worker", "NixlBaseConnectorWorker", "_pop_done_transfers", ("transfers",), _S.RDMA),
-    # Pull worker.
-    _w("pull_worker", "NixlPullConnectorWorker", "start_load_kv", ("metadata",),
-       "metadata from scheduler"),
-    _w("pull_worker", "NixlPullConnectorWorker", "_read_blocks_for_req", ("req_id", "meta"),
-       _S.REUSE_DECISION),
-    _w("pull_worker", "NixlPullConnectorWorker", "_is_turn2_read_expired", ("meta",),
-       _S.REUSE_DECISION),
-    _w("pull_worker", "NixlPullConnectorWorker", "_background_nixl_handshake",
-       ("req_id", "remote_engine_id", "meta"), _S.HANDSHAKE),
-    _w("pull_worker", "NixlPullConnectorWorker", "_read_blocks",
-       ("read_spec", "dst_engine_id", "request_id", "remote_request_id"),
-       _S.DESCRIPTOR_SETUP, _S.RDMA),
-    _w("pull_worker", "NixlPullConnectorWorker", "_get_new_notifs", (), _S.NOTIFY, _S.RETENTION),
-    # Push worker.
-    _w("push_worker", "NixlPushConnectorWorker", "start_load_kv", ("metadata",),
-       "metadata from scheduler"),
-    _w("push_worker", "NixlPushConnectorWorker", "_send_registration_to_p", ("req_id", "reg_data"),
-       _S.HANDSHAKE),
-    _w("push_worker", "NixlPushConnectorWorker", "_do_send_reg_notif", ("req_id", "reg_data"),
-       _S.REGISTRATION),
-    _w("push_worker", "NixlPushConnectorWorker", "_handle_push_reg_notif", ("notif",),
-       _S.RENDEZVOUS),
-    _w("push_worker", "NixlPushConnectorWorker", "_do_start_push_kv",
-       ("request_id", "local_block_ids", "registration_data"), _S.RENDEZVOUS, _S.HANDSHAKE),
-    _w("push_worker", "NixlPushConnectorWorker", "_xfer_blocks",
-       ("read_spec", "dst_engine_id", "request_id", "remote_request_id"),
-       _S.DESCRIPTOR_SETUP, _S.RDMA),
-    _w("push_worker", "NixlPushConnectorWorker", "get_transfer_results", (), _S.NOTIFY),
-)
-"""Every vLLM method the instrumented connectors override, and the span(s) it feeds."""
+_INSTRUMENTED: list[type] = []
 
-NIXL_AGENT_METHODS: Final = ("make_prepped_xfer", "transfer", "check_xfer_state",
-                             "get_xfer_telemetry", "release_xfer_handle")
+
+def instrumented(cls: _C) -> _C:
+    """Register a kvtune subclass of a vLLM NIXL connector class (class decorator)."""
+    if vllm_base(cls) is None:
+        raise TypeError(f"instrumented: {cls.__qualname__} has no base class from {NIXL_PKG}")
+    if cls not in _INSTRUMENTED:
+        _INSTRUMENTED.append(cls)
+    return cls
+
+
+def vllm_base(cls: type) -> type | None:
+    """The first class of ``cls``'s MRO that comes from vLLM's NIXL package."""
+    return next((k for k in cls.__mro__[1:] if k.__module__.startswith(NIXL_PKG + ".")), None)
+
+
+def _own_functions(cls: type) -> dict[str, Any]:
+    """Functions defined by the kvtune classes of ``cls``'s MRO (those before its vLLM base),
+    the most derived first."""
+    base = vllm_base(cls)
+    out: dict[str, Any] = {}
+    for klass in cls.__mro__:
+        if klass is base:
+            break
+        for name, value in vars(klass).items():
+            if inspect.isfunction(value):
+                out.setdefault(name, value)
+    return out
+
+
+def _params(fn: Any) -> tuple[str, ...]:
+    kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    return tuple(p.name for p in list(inspect.signature(fn).parameters.values())[1:]
+                 if p.kind in kinds)
+
+
+def table_of(cls: type) -> tuple[WrappedMethod, ...]:
+    """The entries of one registered class: its marked methods, against its vLLM base."""
+    base = vllm_base(cls)
+    if base is None:
+        raise TypeError(f"table_of: {cls.__qualname__} has no base class from {NIXL_PKG}")
+    module = base.__module__.removeprefix(NIXL_PKG + ".")
+    return tuple(WrappedMethod(module, base.__name__, name, _params(fn), getattr(fn, _MARK))
+                 for name, fn in sorted(_own_functions(cls).items()) if hasattr(fn, _MARK))
+
+
+def registered_classes() -> tuple[type, ...]:
+    """Every class registered with :func:`instrumented` (imports :data:`OVERRIDE_MODULES`)."""
+    for name in OVERRIDE_MODULES:
+        importlib.import_module(name)
+    return tuple(_INSTRUMENTED)
+
+
+def wrapped_methods(classes: tuple[type, ...] | None = None) -> tuple[WrappedMethod, ...]:
+    """Every vLLM method the instrumented connectors override, and the span(s) it feeds, derived
+    from the registrations (imports vLLM)."""
+    entries: dict[tuple[str, str, str], WrappedMethod] = {}
+    for cls in registered_classes() if classes is None else classes:
+        for e in table_of(cls):
+            entries.setdefault((e.module, e.cls, e.method), e)
+    return tuple(entries.values())
+
+
+def registry_diff(classes: tuple[type, ...] | None = None
+                  ) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(overrides missing from the table, table entries that override nothing).
+
+    The first: methods of a registered class that replace one of its vLLM base's without
+    :func:`overrides`. The second: marked methods whose vLLM base has no such method."""
+    unmarked: list[str] = []
+    stray: list[str] = []
+    for cls in registered_classes() if classes is None else classes:
+        base = vllm_base(cls)
+        for name, fn in sorted(_own_functions(cls).items()):
+            in_vllm = hasattr(base, name)
+            if in_vllm and not hasattr(fn, _MARK):
+                unmarked.append(f"{cls.__name__}.{name} (replaces {base.__name__}.{name})")
+            elif hasattr(fn, _MARK) and not in_vllm:
+                stray.append(f"{cls.__name__}.{name} ({base.__name__} has no {name})")
+    return tuple(unmarked), tuple(stray)
+
+
+NIXL_AGENT_METHODS: Final = OBSERVED_METHODS
 """NIXL agent methods observed through :class:`~kvtune.connectors.nixl_agent.ObservedNixlAgent`."""
 
 METADATA_FIELDS: Final = ("reqs_to_recv", "reqs_to_send", "push_registrations",
@@ -153,10 +197,17 @@ class CompatReport:
         return "; ".join(parts) if len(parts) > 1 else f"{parts[0]}: supported"
 
 
-def find_missing(table: tuple[WrappedMethod, ...] = WRAPPED, package: str = NIXL_PKG
+def find_missing(table: tuple[WrappedMethod, ...] | None = None, package: str = NIXL_PKG
                  ) -> tuple[str, ...]:
-    """Entries of ``table`` absent from the installed vLLM (module, class, method or parameter)."""
+    """Entries of ``table`` (default: :func:`wrapped_methods`) absent from the installed vLLM
+    (module, class, method or parameter), and the metadata fields and NIXL methods kvtune uses."""
     missing: list[str] = []
+    if table is None:
+        try:
+            table = wrapped_methods()
+        except ImportError as exc:  # the installed vLLM lacks a class or module kvtune subclasses
+            missing.append(f"kvtune.connectors (cannot import against this vLLM: {exc})")
+            table = ()
     for entry in table:
         try:
             module = importlib.import_module(f"{package}.{entry.module}")
@@ -188,11 +239,23 @@ def find_missing(table: tuple[WrappedMethod, ...] = WRAPPED, package: str = NIXL
 
 
 def installed_vllm_version() -> str:
+    """``vllm.__version__`` of the vLLM this interpreter imports (or ``not installed``)."""
     try:
         import vllm
         return str(getattr(vllm, "__version__", "unknown"))
     except ImportError:
         return "not installed"
+
+
+def installed_nixl_version() -> str:
+    """The version of the NIXL distribution installed (metadata; or ``not installed``)."""
+    from importlib import metadata
+    for name in ("nixl", "nixl-cu12", "nixl-cu13"):
+        try:
+            return metadata.version(name)
+        except metadata.PackageNotFoundError:
+            continue
+    return "not installed"
 
 
 def _version_supported(version: str) -> bool:
@@ -204,14 +267,16 @@ _CACHED: dict[str, CompatReport] = {}
 
 
 def check(*, strict: bool = False, version: str | None = None,
-          table: tuple[WrappedMethod, ...] = WRAPPED, package: str = NIXL_PKG) -> CompatReport:
-    """Check the installed vLLM against :data:`WRAPPED`; log the outcome.
+          table: tuple[WrappedMethod, ...] | None = None, package: str = NIXL_PKG
+          ) -> CompatReport:
+    """Check the installed vLLM against ``table`` (default: :func:`wrapped_methods`, derived from
+    the overrides); log the outcome.
 
     Returns the report; the caller instruments only when ``report.instrumentable``. With
     ``strict`` a mismatch (missing methods or an unsupported version) raises
     :class:`ConnectorError` naming what is missing.
     """
-    key = f"{version}|{id(table)}|{package}"
+    key = f"{version}|{id(table) if table is not None else 'derived'}|{package}"
     report = _CACHED.get(key)
     if report is None:
         version = version or installed_vllm_version()
@@ -228,3 +293,27 @@ def check(*, strict: bool = False, version: str | None = None,
         _logger.warning("kvtune: %s; every wrapped method was found, so the connectors are "
                         "instrumented, but this combination is untested.", report.describe())
     return report
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m kvtune.connectors.compat``: is the installed vLLM one kvtune supports?"""
+    del argv
+    logging.basicConfig(level=logging.ERROR)
+    report = check()
+    print(f"vLLM {report.vllm_version} (kvtune supports {', '.join(SUPPORTED_VLLM_VERSIONS)}; "
+          f"pyproject allows {VLLM_REQUIREMENT}), NIXL {installed_nixl_version()}")
+    if report.missing:
+        print(f"NOT instrumentable: {len(report.missing)} method(s) kvtune overrides are missing: "
+              + ", ".join(report.missing))
+        print("kvtune's connectors would run uninstrumented (vLLM's own behaviour, no spans).")
+    else:
+        print(f"all {len(wrapped_methods())} overridden vLLM methods found")
+    if not report.version_supported:
+        print("this vLLM version is untested with kvtune's connectors")
+    ok = report.instrumentable and report.version_supported
+    print("OK" if ok else "NOT SUPPORTED")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -29,9 +29,11 @@ def _instrument(vllm_config: Any) -> bool:
     return compat.check(strict=strict).instrumentable
 
 
+@compat.instrumented
 class KvtuneNixlPullConnector(NixlPullConnector):
     """vLLM's pull (READ) NIXL connector, emitting kvtune's spans (pull and bidirectional)."""
 
+    @compat.overrides("construction")
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any) -> None:
         if not _instrument(vllm_config):
             super().__init__(vllm_config, role, kv_cache_config)
@@ -47,9 +49,11 @@ class KvtuneNixlPullConnector(NixlPullConnector):
             self.connector_worker = KvtunePullWorker(vllm_config, self.engine_id, kv_cache_config)
 
 
+@compat.instrumented
 class KvtuneNixlPushConnector(NixlPushConnector):
     """vLLM's push (WRITE) NIXL connector, emitting kvtune's spans."""
 
+    @compat.overrides("construction")
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any) -> None:
         if not _instrument(vllm_config):
             super().__init__(vllm_config, role, kv_cache_config)

@@ -22,6 +22,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.push_scheduler import (
 )
 
 from kvtune import spans
+from kvtune.connectors import compat
 from kvtune.connectors.ids import base_request_id, derived_span_context, request_span_context
 from kvtune.connectors.observer import (
     GUARD,
@@ -37,6 +38,7 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 _R = spans.ReuseOutcome
+_S = spans.SpanName
 _NORMAL_FINISH = ("FINISHED_LENGTH_CAPPED", "FINISHED_STOPPED")
 
 
@@ -93,12 +95,14 @@ class _SchedulerHooks:
         self._kvt_kv_ready: dict[str, int] = {}
 
     # --- vLLM methods (vLLM's own first, unchanged result, then the hook) ------------------
+    @compat.overrides(_S.QUEUE, _S.PREFILL, _S.REUSE_DECISION)
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int
                                    ) -> tuple[int, bool]:
         result = super().get_num_new_matched_tokens(request, num_computed_tokens)
         GUARD.run("scheduler.matched", self._kvt_on_matched, request, num_computed_tokens, result)
         return result
 
+    @compat.overrides(_S.PREFILL, _S.REUSE_DECISION, _S.REGISTRATION)
     def update_state_after_alloc(self, request: Request, blocks: Any,
                                  num_external_tokens: int) -> Any:
         params = request.kv_transfer_params
@@ -108,15 +112,18 @@ class _SchedulerHooks:
         GUARD.run("scheduler.alloc", self._kvt_on_alloc, request, blocks, num_external_tokens, pre)
         return result
 
+    @compat.overrides(_S.DECODE_START, "metadata to workers")
     def build_connector_meta(self, scheduler_output: Any) -> Any:
         meta = super().build_connector_meta(scheduler_output)
         GUARD.run("scheduler.meta", self._kvt_on_meta, meta, scheduler_output)
         return meta
 
+    @compat.overrides(_S.DECODE_START)
     def update_connector_output(self, connector_output: Any) -> None:
         super().update_connector_output(connector_output)
         GUARD.run("scheduler.output", self._kvt_on_output, connector_output)
 
+    @compat.overrides(_S.PREFILL, _S.RETENTION, _S.RENDEZVOUS)
     def request_finished(self, request: Request, block_ids: Any
                          ) -> tuple[bool, dict[str, Any] | None]:
         status = _status_name(request)
@@ -124,6 +131,7 @@ class _SchedulerHooks:
         GUARD.run("scheduler.finished", self._kvt_on_finished, request, status, result)
         return result
 
+    @compat.overrides("span flush")
     def shutdown(self) -> None:
         super().shutdown()
         GUARD.run("scheduler.shutdown", lambda: self._kvt.flush())
@@ -313,21 +321,25 @@ def _status_name(request: Request) -> str:
     return getattr(status, "name", str(status))
 
 
+@compat.instrumented
 class KvtunePullScheduler(_SchedulerHooks, NixlPullConnectorScheduler):
     """vLLM's pull (READ) scheduler, plus kvtune's spans."""
 
     _KVT_MODE = spans.Mode.PULL
 
+    @compat.overrides("scheduler state")
     def __init__(self, vllm_config: Any, engine_id: str, kv_cache_config: Any) -> None:
         super().__init__(vllm_config, engine_id, kv_cache_config)
         GUARD.run("scheduler.setup", self._kvt_setup)
 
 
+@compat.instrumented
 class KvtunePushScheduler(_SchedulerHooks, NixlPushConnectorScheduler):
     """vLLM's push (WRITE) scheduler, plus kvtune's spans."""
 
     _KVT_MODE = spans.Mode.PUSH
 
+    @compat.overrides("scheduler state")
     def __init__(self, vllm_config: Any, engine_id: str, kv_cache_config: Any) -> None:
         super().__init__(vllm_config, engine_id, kv_cache_config)
         GUARD.run("scheduler.setup", self._kvt_setup)

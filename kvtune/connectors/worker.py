@@ -29,6 +29,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.push_worker import (
 )
 
 from kvtune import spans
+from kvtune.connectors import compat
 from kvtune.connectors.ids import base_request_id, derived_span_context, parse_traceparent
 from kvtune.connectors.nixl_agent import ObservedNixlAgent
 from kvtune.connectors.progress import EXTRA_CONFIG_KEY as PROGRESS_KEY
@@ -200,6 +201,7 @@ class _WorkerHooks:
         self._kvt.flush()
 
     # --- vLLM methods -----------------------------------------------------------------------
+    @compat.overrides(_S.HANDSHAKE)
     def _nixl_handshake(self, host: str, port: int, remote_tp_size: int,
                         expected_engine_id: str, *args: Any, **kwargs: Any) -> Any:
         start = now_ns()
@@ -213,6 +215,7 @@ class _WorkerHooks:
         GUARD.run("worker.handshake", self._kvt_handshake_done, expected_engine_id, start, None)
         return result
 
+    @compat.overrides(_S.RETENTION, _S.NOTIFY)
     def _reap_expired_send_leases(self, done_sending: set[str]) -> None:
         if not self._reqs_to_send:
             return super()._reap_expired_send_leases(done_sending)
@@ -222,20 +225,28 @@ class _WorkerHooks:
             GUARD.run("worker.expired", self._kvt_on_expired, done_sending - before)
         return result
 
+    @compat.overrides(_S.RETENTION)
     def shutdown(self) -> None:
         GUARD.run("worker.shutdown", self._kvt_on_shutdown)
         super().shutdown()
 
 
+# Registered here rather than by a decorator on the method: the NIXL agent proxy and progress delay.
+compat.overrides("NIXL agent proxy", "progress delay")(_WorkerHooks.__init__)
+
+
+@compat.instrumented
 class KvtunePullWorker(_WorkerHooks, NixlPullConnectorWorker):
     """vLLM's pull (READ) worker, plus kvtune's spans."""
 
     _KVT_MODE = spans.Mode.PULL
 
+    @compat.overrides("metadata from scheduler")
     def start_load_kv(self, metadata: Any) -> None:
         GUARD.run("worker.metadata", self._kvt_on_metadata, metadata)
         return super().start_load_kv(metadata)
 
+    @compat.overrides(_S.HANDSHAKE)
     def _background_nixl_handshake(self, req_id: str, remote_engine_id: str, meta: Any) -> None:
         GUARD.run("worker.handshake_trigger", self._kvt_pull_trigger, req_id, remote_engine_id,
                   meta)
@@ -246,6 +257,7 @@ class KvtunePullWorker(_WorkerHooks, NixlPullConnectorWorker):
                                      meta.remote.request_id)
         self._kvt_trigger_handshake(remote_engine_id, ctx.sc, ctx.attrs)
 
+    @compat.overrides(_S.REUSE_DECISION)
     def _read_blocks_for_req(self, req_id: str, meta: Any) -> Any:
         self._kvt_cur_req = req_id
         try:
@@ -253,6 +265,7 @@ class KvtunePullWorker(_WorkerHooks, NixlPullConnectorWorker):
         finally:
             self._kvt_cur_req = None
 
+    @compat.overrides(_S.REUSE_DECISION)
     def _is_turn2_read_expired(self, meta: Any) -> bool:
         expired = super()._is_turn2_read_expired(meta)
         GUARD.run("worker.reuse_decision", self._kvt_on_turn2, meta, expired)
@@ -273,6 +286,7 @@ class KvtunePullWorker(_WorkerHooks, NixlPullConnectorWorker):
                                 spans.REUSE_REMOTE_TOKENS: info.remote_tokens,
                                 spans.REUSE_THRESHOLD_TOKENS: info.threshold_tokens})
 
+    @compat.overrides(_S.DESCRIPTOR_SETUP, _S.RDMA)
     def _read_blocks(self, read_spec: Any, dst_engine_id: str, request_id: str,
                      remote_request_id: str, *args: Any, **kwargs: Any) -> bool:
         ctx = GUARD.run("worker.read", self._kvt_xfer_context, spans.NixlOp.READ, read_spec,
@@ -288,6 +302,7 @@ class KvtunePullWorker(_WorkerHooks, NixlPullConnectorWorker):
         finally:
             tracker.end()
 
+    @compat.overrides(_S.NOTIFY, _S.RETENTION)
     def _get_new_notifs(self) -> set[str]:
         notified = super()._get_new_notifs()
         if notified:
@@ -295,6 +310,7 @@ class KvtunePullWorker(_WorkerHooks, NixlPullConnectorWorker):
         return notified
 
 
+@compat.instrumented
 class KvtunePushWorker(_WorkerHooks, NixlPushConnectorWorker):
     """vLLM's push (WRITE) worker, plus kvtune's spans (some from the ``nixl-push-writer``
     thread; they carry their parent explicitly, so they keep it)."""
@@ -306,11 +322,13 @@ class KvtunePushWorker(_WorkerHooks, NixlPushConnectorWorker):
         self._kvt_reg_arrival: BoundedDict = BoundedDict()
         self._kvt_rendezvous_done: BoundedDict = BoundedDict()
 
+    @compat.overrides("metadata from scheduler")
     def start_load_kv(self, metadata: Any) -> None:
         GUARD.run("worker.metadata", self._kvt_on_metadata, metadata)
         return super().start_load_kv(metadata)
 
     # D side (writer thread): registration sent to the prefill.
+    @compat.overrides(_S.HANDSHAKE)
     def _send_registration_to_p(self, req_id: str, reg_data: dict[str, Any]) -> None:
         GUARD.run("worker.handshake_trigger", self._kvt_reg_trigger, req_id, reg_data)
         return super()._send_registration_to_p(req_id, reg_data)
@@ -320,6 +338,7 @@ class KvtunePushWorker(_WorkerHooks, NixlPushConnectorWorker):
         self._kvt_trigger_handshake(str(reg_data["remote_engine_id"]), sc,
                                     transfer_attrs(base, _D.FORWARD, req_id))
 
+    @compat.overrides(_S.REGISTRATION)
     def _do_send_reg_notif(self, req_id: str, reg_data: dict[str, Any]) -> None:
         result = super()._do_send_reg_notif(req_id, reg_data)
         GUARD.run("worker.registration", self._kvt_on_registered, req_id, reg_data)
@@ -335,6 +354,7 @@ class KvtunePushWorker(_WorkerHooks, NixlPushConnectorWorker):
             spans.TOKENS: info.tokens if info is not None else None})
 
     # P side (writer thread): registration received; rendezvous with the finished prefill.
+    @compat.overrides(_S.RENDEZVOUS)
     def _handle_push_reg_notif(self, notif: bytes) -> None:
         GUARD.run("worker.registration_in", self._kvt_on_reg_notif, notif)
         return super()._handle_push_reg_notif(notif)
@@ -345,6 +365,7 @@ class KvtunePushWorker(_WorkerHooks, NixlPushConnectorWorker):
         if isinstance(rid, str):
             self._kvt_reg_arrival[base_request_id(rid)] = now_ns()
 
+    @compat.overrides(_S.RENDEZVOUS, _S.HANDSHAKE)
     def _do_start_push_kv(self, request_id: str, local_block_ids: Any,
                           registration_data: dict[str, Any]) -> None:
         GUARD.run("worker.rendezvous", self._kvt_on_rendezvous, request_id, registration_data)
@@ -368,6 +389,7 @@ class KvtunePushWorker(_WorkerHooks, NixlPushConnectorWorker):
         self._kvt_trigger_handshake(str(reg.get("decode_engine_id")), sc,
                                     transfer_attrs(base, _D.FORWARD, request_id))
 
+    @compat.overrides(_S.DESCRIPTOR_SETUP, _S.RDMA)
     def _xfer_blocks(self, read_spec: Any, dst_engine_id: str, request_id: str,
                      remote_request_id: str, *args: Any, **kwargs: Any) -> Any:
         ctx = GUARD.run("worker.write", self._kvt_xfer_context, spans.NixlOp.WRITE, read_spec,
@@ -384,6 +406,7 @@ class KvtunePushWorker(_WorkerHooks, NixlPushConnectorWorker):
             tracker.end()
 
     # D side (engine thread): the prefill's WRITE completion notification.
+    @compat.overrides(_S.NOTIFY)
     def get_transfer_results(self) -> Any:
         results = super().get_transfer_results()
         if results.finished_recving:

@@ -10,7 +10,8 @@ directory appears complete or not at all):
 - ``prefill.vllm-serve.args``, ``decode.vllm-serve.args``: the arguments of ``vllm serve``, one per
   line, no spaces inside (``mapfile -t A < prefill.vllm-serve.args; vllm serve "${A[@]}"``);
 - ``router.yaml``: the kvtune router's configuration (``kvtune.router.config`` keys);
-- ``recommendation.json``: values, ranges, evidence, findings, fit quality, provenance;
+- ``recommendation.json``: values, ranges, evidence, findings, fit quality, provenance (the
+  vLLM and NIXL releases the trace was measured on, from its resources);
 - ``REPORT.md``: a short human summary.
 """
 from __future__ import annotations
@@ -128,13 +129,22 @@ def router_config(tuning: Tuning, *, prefill_url: str, decode_url: str,
     return cfg
 
 
+def _versions_line(tuning: Tuning) -> str:
+    """The releases the trace ran on, from its spans' resources (every one seen)."""
+    versions = tuning.extra.get("versions") or {}
+    parts = [f"{label} {' + '.join(versions[key])}" for key, label in (("vllm", "vLLM"),
+                                                                        ("nixl", "NIXL"))
+             if versions.get(key)]
+    return f"Measured on {', '.join(parts)}." if parts else "The trace does not name its vLLM/NIXL."
+
+
 def _report(tuning: Tuning, model: str, files: dict[str, str]) -> str:
     t, ttl, m = tuning.threshold, tuning.ttl, tuning.mode
     fit = tuning.fit
     lines = [
         "# kvtune recommendation", "",
         f"Trace: `{tuning.source}` ({tuning.span_count} spans). Model: `{model}`. "
-        f"kvtune {__version__}.", "",
+        f"kvtune {__version__}. {_versions_line(tuning)}", "",
         "| setting | value | plausible range |", "|---|---|---|",
         f"| mode | **{m.value}** | {m.range[0]} / {m.range[1]} |",
         f"| kv_recompute_threshold | **{t.value}** {t.unit} | {t.range[0]} .. {t.range[1]} |",
@@ -226,6 +236,7 @@ def write(tuning: Tuning, out_dir: str | os.PathLike[str], *, geometry: Any = No
         "kvtune_version": __version__, "convention": sc.CONVENTION_VERSION,
         "generated_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "model": model, "trace_source": tuning.source, "span_count": tuning.span_count,
+        "versions": tuning.extra.get("versions") or {},
         "fit_quality": ({"r2": tuning.fit.r2, "n_transfers": tuning.fit.n_transfers,
                          "n_sizes": tuning.fit.n_sizes, "n_outliers": tuning.fit.n_outliers}
                         if tuning.fit is not None else None),

@@ -1,6 +1,8 @@
-"""Readiness findings from the transfers table and spans: stalls, TCP fallback, errors, fit quality."""
+"""Readiness findings from the transfers table and spans: stalls, TCP fallback, errors, fit quality,
+mixed vLLM/NIXL releases."""
 from __future__ import annotations
 
+import numpy as np
 import pandas as pd
 
 from kvtune import spans as sc
@@ -27,6 +29,45 @@ OUTSIDE_TRANSFER_COLS = EXTRA_COLS
 """Stall-diagnosis columns that are not the KV transfer itself."""
 
 
+VERSIONED = {"vllm": sc.VLLM_VERSION, "nixl": sc.NIXL_VERSION}
+"""Software whose version the spans' resources carry (``kvtune.telemetry.build_resource``)."""
+
+
+def versions_in(spans: pd.DataFrame) -> dict[str, dict[str, list[str]]]:
+    """``{"vllm": {version: [services]}, "nixl": {...}}`` from the spans' resource attributes
+    (empty inner dicts when the trace does not say)."""
+    out: dict[str, dict[str, set[str]]] = {k: {} for k in VERSIONED}
+    if "resource" in spans.columns and len(spans):
+        res = spans["resource"].to_numpy()
+        svc = (spans["service"].astype("object").to_numpy() if "service" in spans.columns
+               else np.full(len(res), "", dtype=object))
+        ids = np.fromiter((id(r) for r in res), dtype=np.int64, count=len(res))
+        # Rows of one resource share one dict: look at each (resource, service) run once.
+        first = np.r_[True, (ids[1:] != ids[:-1]) | (svc[1:] != svc[:-1])]
+        for r, service in zip(res[first], svc[first]):
+            if not isinstance(r, dict):
+                continue
+            for name, key in VERSIONED.items():
+                if r.get(key) is not None:
+                    out[name].setdefault(str(r[key]), set()).add(str(service or "?"))
+    return {name: {v: sorted(s) for v, s in sorted(d.items())} for name, d in out.items()}
+
+
+def mixed_versions(versions: dict[str, dict[str, list[str]]]) -> Finding | None:
+    """A finding when the trace's processes ran more than one vLLM or NIXL release."""
+    mixed = {name: by_version for name, by_version in versions.items() if len(by_version) > 1}
+    if not mixed:
+        return None
+    parts = [f"{name} " + ", ".join(f"{v} ({', '.join(svcs)})" for v, svcs in by_version.items())
+             for name, by_version in mixed.items()]
+    return Finding(
+        "mixed_versions", "warning",
+        f"the trace mixes releases: {'; '.join(parts)}. Engines of one P/D pair should run the same "
+        f"vLLM and NIXL (their connector metadata and handshake change between releases), and "
+        f"timings from different releases do not fit one line: re-measure with one release",
+        {"versions": mixed})
+
+
 def _is_rdma_fabric(name: str) -> bool:
     words = name.lower().replace("_", "-").replace(".", "-").split("-")
     return any(w in RDMA_FABRIC_WORDS for w in words)
@@ -36,6 +77,9 @@ def readiness(transfers: pd.DataFrame, spans: pd.DataFrame, *, fit: FloorFit | N
               workload: Workload | None, fabric: str | None = None) -> list[Finding]:
     """Findings about the deployment's readiness (see module constants)."""
     out: list[Finding] = []
+    mixed = mixed_versions(versions_in(spans))
+    if mixed is not None:
+        out.append(mixed)
     phase_cols = [sc.PHASE_COLUMNS[p] for p in sc.PHASES]
     phases = transfers[phase_cols].astype(float).copy()
     # A push rendezvous that began with the registration waits for the prefill to compute: long

@@ -13,7 +13,7 @@ from kvtune.analysis.prefill import PrefillCost, prefill_cost
 from kvtune.analysis.transfers import transfers as transfers_table
 from kvtune.analysis.workload import Workload, workload as workload_of
 from kvtune.errors import AnalysisError, ConfigError
-from kvtune.recommend.findings import readiness
+from kvtune.recommend.findings import readiness, versions_in
 from kvtune.recommend.mode import recommend_mode
 from kvtune.recommend.results import NEVER, Finding, Tuning
 from kvtune.recommend.threshold import recommend_threshold
@@ -162,6 +162,7 @@ def recommend(spans: pd.DataFrame, *, geometry: Any = None,
         "fabric": fabric, "fit_source": fit_source,
         "clock_offsets_ns": dict(spans.attrs.get("clock_offsets_ns", {}) or {}),
         "skipped_records": len(spans.attrs.get("skipped", []) or []),
+        "versions": versions_in(spans),
     }
     return Tuning(threshold=thr, ttl=ttl, mode=mode, findings=tuple(findings), fit=fit,
                   source=source, span_count=int(len(spans)), extra=extra)
