@@ -24,6 +24,7 @@ COMMAND_MODULES: tuple[tuple[str, str], ...] = (
     ("dashboards", "kvtune.dashboards.cli"),
     ("traces", "kvtune.traces.cli"),
     ("local", "kvtune.local.cli"),
+    ("doctor", "kvtune.connectors.compat"),
 )
 
 

@@ -188,10 +188,13 @@ def test_compat_cli_reports_the_installed_versions(capsys: pytest.CaptureFixture
     pytest.importorskip("vllm")
     import vllm
 
-    rc = compat.main([])
-    out = capsys.readouterr().out
-    assert f"vLLM {vllm.__version__}" in out and f"NIXL {compat.installed_nixl_version()}" in out
-    assert rc == 0 and out.rstrip().endswith("OK"), out
+    from kvtune.cli import main as kvtune_main
+
+    for rc in (compat.main([]), kvtune_main(["doctor"])):  # python -m ..., kvtune doctor
+        out = capsys.readouterr().out
+        assert f"vLLM {vllm.__version__}" in out
+        assert f"NIXL {compat.installed_nixl_version()}" in out
+        assert rc == 0 and out.rstrip().endswith("OK"), out
 
 
 # --- hook guard -------------------------------------------------------------------------------

@@ -13,7 +13,7 @@ methods are missing, then either the connectors run *uninstrumented* (exactly vL
 with a warning) or, with ``kv_connector_extra_config: {"kvtune_strict": true}``, they refuse with
 :class:`~kvtune.errors.ConnectorError`. They are never half-instrumented.
 
-``python -m kvtune.connectors.compat`` prints the installed vLLM and NIXL versions and the outcome
+``python -m kvtune.connectors.compat`` (or ``kvtune doctor``) prints the installed vLLM and NIXL versions and the outcome
 (exit status 0 when the version is supported and every method was found).
 """
 from __future__ import annotations
@@ -295,8 +295,15 @@ def check(*, strict: bool = False, version: str | None = None,
     return report
 
 
+def register(sub: Any) -> None:
+    """``kvtune doctor``: the same as ``python -m kvtune.connectors.compat``."""
+    p = sub.add_parser("doctor", help="is the installed vLLM one kvtune's connectors support?")
+    p.set_defaults(func=lambda args: main([]))
+
+
 def main(argv: list[str] | None = None) -> int:
-    """``python -m kvtune.connectors.compat``: is the installed vLLM one kvtune supports?"""
+    """``python -m kvtune.connectors.compat`` / ``kvtune doctor``: is the installed vLLM one
+    kvtune supports? Prints the versions and the outcome; 0 when supported and instrumentable."""
     del argv
     logging.basicConfig(level=logging.ERROR)
     report = check()
