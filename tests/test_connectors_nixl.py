@@ -344,3 +344,67 @@ def test_turn2_expiry_check_decides_pull_or_expired_only_on_the_prefill(
         assert s.attributes[spans.TRANSFER_ID] == spans.transfer_id("turn1", spans.Direction.REVERSE)
         assert s.context.trace_id == derived_span_context("turn1").trace_id
         assert s.attributes[spans.REUSE_REMOTE_TOKENS] == 150
+
+
+def test_push_decode_notifies_once_every_producer_rank_wrote(
+        peers: tuple[Peer, Peer, Any, Any], exporter: InMemorySpanExporter) -> None:
+    """Push decode: vLLM's own notification accounting (rewritten in 0.33) reports the request
+    received only after one completion notification per producer rank; kvtune's ``kv.notify``
+    (fed by what ``get_transfer_results`` reports as received) comes once, then."""
+    pytest.importorskip("vllm")
+    import queue
+    from types import SimpleNamespace
+
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.stats import NixlKVConnectorStats
+
+    from kvtune.connectors.worker import KvtunePushWorker
+
+    init, target, _, _ = peers
+    # The state vLLM's push-decode accounting uses (what its __init__ sets), decode TP 1.
+    w = object.__new__(KvtunePushWorker)
+    w.nixl_wrapper = target.agent
+    w.transfer_topo = object()
+    w.world_size = 1
+    w._pending_completion_notifs = queue.Queue()
+    w._recving_metadata = {}
+    w._recving_transfers = {}
+    w._reqs_to_send = {}
+    w._reqs_to_process = set()
+    w.consumer_notification_counts_by_req = defaultdict(int)
+    w.xfer_stats = NixlKVConnectorStats()
+    w.engine_id = "engine-decode"
+    w._remote_agents = {}
+    w._kvt_init(_emitter(exporter, spans.Role.DECODE, spans.Mode.PUSH))
+    rid = "cmpl-pushed-0-55555555"
+    w._recving_metadata[rid] = SimpleNamespace(pp_size=1)
+    w._kvt_reqs[rid] = ReqTrace(rid, "pushed", "", tokens=32)
+    received: set[str] = set()
+
+    def engine_step() -> set[str]:
+        # The nixl-push-writer thread forwards completion notifications to the engine thread,
+        # whose get_transfer_results drains them, then pops the finished receives.
+        for msgs in w.nixl_wrapper.get_new_notifs().values():
+            for m in msgs:
+                if m.startswith(rid.encode()):  # (not other tests' leftovers on this agent)
+                    w._pending_completion_notifs.put(m)
+        w._get_new_notifs()
+        done, _failed = w._pop_done_transfers(w._recving_transfers)
+        if done:
+            received.update(done)
+            w._kvt_on_push_received(SimpleNamespace(finished_recving=done, failed_recving=set()))
+        return done
+
+    # A TP-2 prefill writes into this TP-1 decode: one notification from each of its ranks.
+    init.agent.send_notif(target.name, f"{rid}:2".encode())
+    _wait_for(lambda: engine_step() or w.consumer_notification_counts_by_req.get(rid) == 1,
+              "the first producer rank's notification")
+    assert received == set() and exporter.get_finished_spans() == ()
+    init.agent.send_notif(target.name, f"{rid}:2".encode())
+    _wait_for(lambda: engine_step() or received, "the second producer rank's notification")
+    assert received == {rid} and rid not in w.consumer_notification_counts_by_req
+    (notify,) = exporter.get_finished_spans()
+    assert notify.name == spans.SpanName.NOTIFY.value
+    assert notify.attributes[spans.TRANSFER_ID] == spans.transfer_id("pushed",
+                                                                     spans.Direction.FORWARD)
+    assert notify.attributes[spans.ROLE] == spans.Role.DECODE.value
+    assert notify.attributes[spans.TOKENS] == 32 and notify.status.is_ok

@@ -190,11 +190,13 @@ def test_compat_cli_reports_the_installed_versions(capsys: pytest.CaptureFixture
 
     from kvtune.cli import main as kvtune_main
 
-    for rc in (compat.main([]), kvtune_main(["doctor"])):  # python -m ..., kvtune doctor
+    for run in (lambda: compat.main([]), lambda: kvtune_main(["doctor"])):  # python -m, doctor
+        rc = run()
         out = capsys.readouterr().out
         assert f"vLLM {vllm.__version__}" in out
         assert f"NIXL {compat.installed_nixl_version()}" in out
         assert rc == 0 and out.rstrip().endswith("OK"), out
+        assert f"all {len(compat.wrapped_methods())} overridden vLLM methods found" in out
 
 
 # --- hook guard -------------------------------------------------------------------------------

@@ -239,16 +239,18 @@ def test_recommend_bad_input():
 
 
 def _versioned(spans, decode_vllm: str):
-    """The spans as two processes would export them: prefill on vLLM 0.32.0, decode on
-    ``decode_vllm``, both NIXL 1.5.1 (resource attributes, as kvtune.telemetry sets them)."""
+    """The spans as the processes would export them: the decode's on ``decode_vllm``, the others
+    (prefill, router) on vLLM 0.32.0, all on NIXL 1.5.1 (resource attributes, as
+    kvtune.telemetry sets them). Returns (spans, the services on 0.32.0)."""
     spans = spans.copy()
-    decode = (spans[sc.ROLE].astype("object") == sc.Role.DECODE.value).fillna(False).to_numpy()
-    res_p = {sc.SERVICE_NAME: "kvtune-prefill", sc.VLLM_VERSION: "0.32.0", sc.NIXL_VERSION: "1.5.1"}
-    res_d = {sc.SERVICE_NAME: "kvtune-decode", sc.VLLM_VERSION: decode_vllm,
-             sc.NIXL_VERSION: "1.5.1"}
-    spans["resource"] = [res_d if d else res_p for d in decode]
-    spans["service"] = ["kvtune-decode" if d else "kvtune-prefill" for d in decode]
-    return spans
+    decode_svc = sc.service_name(sc.Role.DECODE)
+    decode = (spans["service"].astype(str) == decode_svc).to_numpy(dtype=bool)
+    assert decode.any() and not decode.all()
+    res = {svc: {sc.SERVICE_NAME: svc, sc.NIXL_VERSION: "1.5.1",
+                 sc.VLLM_VERSION: decode_vllm if svc == decode_svc else "0.32.0"}
+           for svc in set(spans["service"].astype(str))}
+    spans["resource"] = [res[svc] for svc in spans["service"].astype(str)]
+    return spans, sorted(set(res) - {decode_svc})
 
 
 def test_versions_from_resources_reach_recommendation_json_and_report(tmp_path):
@@ -256,27 +258,28 @@ def test_versions_from_resources_reach_recommendation_json_and_report(tmp_path):
 
     from kvtune.export import files
 
-    spans = _versioned(syn.serving_spans(syn.SyntheticWorkload(n_conversations=6), mode="pull",
-                                         seed=3), "0.32.0")
+    spans, others = _versioned(syn.serving_spans(syn.SyntheticWorkload(n_conversations=6),
+                                                 mode="pull", seed=3), "0.32.0")
+    every = sorted([*others, "kvtune-decode"])
+    assert "kvtune-prefill" in every
     tu = recommend(spans, n_boot=10, use_simulator=False)
-    assert tu.extra["versions"] == {"vllm": {"0.32.0": ["kvtune-decode", "kvtune-prefill"]},
-                                    "nixl": {"1.5.1": ["kvtune-decode", "kvtune-prefill"]}}
+    assert tu.extra["versions"] == {"vllm": {"0.32.0": every}, "nixl": {"1.5.1": every}}
     assert "mixed_versions" not in {f.code for f in tu.findings}
     out = files.write(tu, tmp_path / "rec")
     rec = json.loads((out / "recommendation.json").read_text())
-    assert rec["versions"]["vllm"] == {"0.32.0": ["kvtune-decode", "kvtune-prefill"]}
+    assert rec["versions"]["vllm"] == {"0.32.0": every}
     assert "Measured on vLLM 0.32.0, NIXL 1.5.1." in (out / "REPORT.md").read_text()
 
 
 def test_a_trace_mixing_vllm_releases_gets_a_finding(tmp_path):
-    spans = _versioned(syn.serving_spans(syn.SyntheticWorkload(n_conversations=6), mode="pull",
-                                         seed=3), "0.33.0")
+    spans, others = _versioned(syn.serving_spans(syn.SyntheticWorkload(n_conversations=6),
+                                                 mode="pull", seed=3), "0.33.0")
     tu = recommend(spans, n_boot=10, use_simulator=False)
     (mixed,) = [f for f in tu.findings if f.code == "mixed_versions"]
     assert mixed.severity == "warning"
-    assert mixed.evidence["versions"] == {"vllm": {"0.32.0": ["kvtune-prefill"],
+    assert mixed.evidence["versions"] == {"vllm": {"0.32.0": others,
                                                    "0.33.0": ["kvtune-decode"]}}
-    assert "vllm 0.32.0 (kvtune-prefill), 0.33.0 (kvtune-decode)" in mixed.message
+    assert f"vllm 0.32.0 ({', '.join(others)}), 0.33.0 (kvtune-decode)" in mixed.message
     # Spans without version attributes (older exports) name nothing and find nothing.
     plain = syn.serving_spans(syn.SyntheticWorkload(n_conversations=6), mode="pull", seed=3)
     tu = recommend(plain, n_boot=10, use_simulator=False)

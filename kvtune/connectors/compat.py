@@ -323,4 +323,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # Run as a script this file is a second module, __main__: the override modules register with
+    # the importable kvtune.connectors.compat, so ask that one.
+    from kvtune.connectors import compat as _compat
+    sys.exit(_compat.main())
