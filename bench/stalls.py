@@ -190,7 +190,7 @@ def main() -> int:
                 (out / "summary.json").write_text(json.dumps(results, indent=2))
     print(table(results), flush=True)
     (out / "table.md").write_text(table(results) + "\n")
-    figure(results).write_html(out / "stalls.html", include_plotlyjs=True)
+    figure(results).write_html(out / "stalls.html", include_plotlyjs="cdn")
     return 0
 
 
