@@ -48,8 +48,19 @@ def test_quiet_layout_idles_at_a_fraction_of_the_pinned_one() -> None:
                 < 0.5 * ROWS[("pinned", "bidirectional", connector)]["idle_cores"])
 
 
+def test_the_push_hang_left_every_server_threads_stack() -> None:
+    row = ROWS[("pinned", "push", "kvtune")]
+    assert row["stack_dumps"], "the hung warm-up left no stacks"
+    for rel in row["stack_dumps"]:
+        text = (EXAMPLE / rel).read_text()
+        assert text.startswith("pid ") and "thread " in text
+    workers = [t for t in ((EXAMPLE / r).read_text() for r in row["stack_dumps"])
+               if "VLLM::Worker" in t.splitlines()[0]]
+    assert workers and all("nixl-push-writer" in t for t in workers)
+
+
 @pytest.mark.parametrize("layout, mode, delay", [
-    ("pinned", "pull", RECOMMENDED_DELAY_US), ("pinned", "bidirectional", 0),
+    ("pinned", "pull", RECOMMENDED_DELAY_US), ("pinned", "bidirectional", 0), ("pinned", "push", 0),
     ("quiet", "pull", NO_THREAD_SPAN_VALUE), ("quiet", "bidirectional", NO_THREAD_SPAN_VALUE)])
 def test_kvtune_spans_carry_the_layout_and_are_analysable(layout, mode, delay) -> None:
     spans = load(EXAMPLE / f"{layout}-{mode}-kvtune" / "spans")

@@ -363,9 +363,10 @@ class LocalPair(_Servers):
             cpu_core=self.cpu_cores[1], kv_transfer_config=self.kv_transfer_config("decode"),
             env={**self.layout.env(self.cpu_cores[1]), **env}, side_channel_port=d_side)
         self._servers = [self.prefill, self.decode]
-        self._watchdog = StackWatchdog(
-            self.workdir / "stacks", bound_s=HANG_BOUND_S,
-            leaders=lambda: [s.proc.pid for s in self._servers if s.proc is not None])
+        if self._watchdog is None:  # one per pair: its dump files are numbered across restarts
+            self._watchdog = StackWatchdog(
+                self.workdir / "stacks", bound_s=HANG_BOUND_S,
+                leaders=lambda: [s.proc.pid for s in self._servers if s.proc is not None])
         self._start_servers()
         try:
             for srv in self._servers:  # plain warm-up: no KV transfer
