@@ -1,19 +1,19 @@
-"""Stall experiment on the local vLLM pair: N requests per mode, with and without a setting.
+"""Stalls of the local vLLM pair, side by side: kvtune's connectors and vLLM's own, per mode.
 
-For each mode (pull, push, bidirectional) and each setting, start the pair with kvtune's connectors,
-measure the servers' idle CPU (cores busy while no request is in flight), then send N requests
-(sequential, prompt lengths cycling) while ``--hogs`` CPU-bound processes stand for the rest of the
-host's work (router, client, notebooks during ``tune``; other tests in CI), record each request's
-wall time, and write the connectors' spans. kvtune's own analysis (`kvtune.analysis.stalls`) says
-which phase holds the stalled time. Prints share of requests over 1 s, p50/p99 per (mode, setting),
-and writes `summary.json` + `stalls.html` (before/after figures) into --out.
+For each layout, mode (pull, push, bidirectional) and connector (``kvtune``: the instrumented
+connectors; ``vllm``: vLLM's own connectors with only the layout's NIXL/idle settings, see
+``kvtune.connectors.plain``), start the pair, measure the servers' idle CPU (cores used while no
+request is in flight, after warm-up), send the same N requests (sequential, prompt lengths
+cycling, two turns per conversation in bidirectional mode) while ``--hogs`` CPU-bound processes
+run beside the pair, and record each request's wall time. kvtune's spans (kvtune connector runs)
+say where stalled time went. Every leg over 20 s gets every server thread's stack dumped
+(``kvtune.local.watchdog``; files under ``<run>/work/stacks``).
 
-A setting is NAME=JSON: ``kv_connector_extra_config`` additions for both servers, or
-``{"prefill": {...}, "decode": {...}}`` for one side each.
+Prints one table (requests over 1 s, p50/p99/max, idle cores, and per mode the ratio of kvtune's
+p50 to vLLM's p50: the proof that instrumentation is not what stalls), with the load average
+before each run; writes ``summary.json``, ``stalls.html`` and the spans into --out.
 
-    .venv/bin/python bench/stalls.py --out out/stalls --requests 30 --hogs 1 \
-        --setting 'default={"kvtune_progress_delay_us": null}' \
-        --setting 'sleeping-progress={"kvtune_progress_delay_us": 1000}'
+    .venv/bin/python bench/stalls.py --out out/stalls --requests 30 --hogs 0
 """
 from __future__ import annotations
 
@@ -29,11 +29,14 @@ import numpy as np
 
 from kvtune.analysis import transfers
 from kvtune.analysis.stalls import STALL_MS, stall_diagnosis
+from kvtune.local.layout import LAYOUTS
 from kvtune.local.pair import LocalPair
 from kvtune.traces import load
 
 PROMPT_LENGTHS = (64, 256, 512, 1024)
 MAX_TOKENS = 4
+IDLE_SETTLE_S = 3.0
+IDLE_WINDOW_S = 5.0
 
 
 def prompt(n: int, seed: int) -> list[int]:
@@ -50,7 +53,8 @@ def server_cpu_s(pair: LocalPair) -> float:
         if not p.isdigit():
             continue
         try:
-            st = open(f"/proc/{p}/stat").read().rsplit(")", 1)[1].split()
+            with open(f"/proc/{p}/stat") as f:
+                st = f.read().rsplit(")", 1)[1].split()
         except OSError:
             continue
         if int(st[3]) in sessions:
@@ -58,79 +62,109 @@ def server_cpu_s(pair: LocalPair) -> float:
     return ticks / os.sysconf("SC_CLK_TCK")
 
 
-def split_roles(extra: dict) -> tuple[dict, dict]:
-    if set(extra) <= {"prefill", "decode"} and extra:
-        return {}, extra
-    return extra, {}
+def idle_cores(pair: LocalPair) -> float:
+    time.sleep(IDLE_SETTLE_S)
+    c0 = server_cpu_s(pair)
+    time.sleep(IDLE_WINDOW_S)
+    return (server_cpu_s(pair) - c0) / IDLE_WINDOW_S
 
 
-def run_one(mode: str, name: str, extra: dict, n: int, out: Path, hogs: int) -> dict:
-    spans_dir = out / f"{mode}-{name}" / "spans"
-    latencies, errors = [], []
+def load_average() -> float:
+    return os.getloadavg()[0]
+
+
+def wait_for_quiet(max_load: float = 1.5, timeout_s: float = 180.0) -> float:
+    """Wait until the 1-minute load average falls under ``max_load`` (the previous pair's
+    processes still weigh in it for a while) or ``timeout_s`` passes; returns the load."""
+    deadline = time.monotonic() + timeout_s
+    while load_average() >= max_load and time.monotonic() < deadline:
+        time.sleep(5)
+    return load_average()
+
+
+def run_one(layout: str, mode: str, connector: str, n: int, out: Path, hogs: int) -> dict:
+    name = f"{layout}-{mode}-{connector}"
+    spans_dir = out / name / "spans"
+    latencies: list[float] = []
+    errors: list[str] = []
     t_start = time.monotonic()
-    both, per_role = split_roles(extra)
-    with LocalPair(mode, connector="kvtune", workdir=out / f"{mode}-{name}" / "work",
-                   spans_dir=spans_dir, kv_extra_config=both, role_kv_extra_config=per_role,
+    load_before = wait_for_quiet()
+    with LocalPair(mode, connector=connector, layout=layout, workdir=out / name / "work",
+                   spans_dir=spans_dir if connector == "kvtune" else None,
                    extra_env={"OTEL_BSP_SCHEDULE_DELAY": "200"},
                    recompute_threshold=1 if mode == "bidirectional" else None) as pair:
-        time.sleep(3)
-        c0 = server_cpu_s(pair)
-        time.sleep(5)
-        idle_cores = (server_cpu_s(pair) - c0) / 5
-        print(f"  {mode}/{name}: servers' idle CPU {idle_cores:.2f} cores", file=sys.stderr)
+        start_s = time.monotonic() - t_start
+        idle = idle_cores(pair)
+        print(f"  {name}: pair up in {start_s:.0f} s, servers' idle CPU {idle:.2f} cores",
+              file=sys.stderr)
         hog_procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
                      for _ in range(hogs)]
         try:
-            lat_loop(pair, mode, name, n, latencies, errors)
+            for i in range(n):
+                toks = prompt(PROMPT_LENGTHS[(i // 2) % len(PROMPT_LENGTHS)], seed=i // 2)
+                conv = f"c{i // 2}" if mode == "bidirectional" else None
+                if conv is not None and i % 2 == 1:
+                    toks = toks + prompt(16, seed=10_000 + i)  # turn 2: history + a new message
+                t0 = time.monotonic()
+                try:
+                    pair.complete(toks, MAX_TOKENS, conversation=conv)
+                    latencies.append((time.monotonic() - t0) * 1e3)
+                except Exception as exc:  # noqa: BLE001 - recorded and reported
+                    errors.append(f"{type(exc).__name__}: {str(exc)[:300]}")
+                print(f"  {name} {i + 1}/{n}: "
+                      f"{latencies[-1] if latencies else float('nan'):.0f} ms", file=sys.stderr)
         finally:
             for h in hog_procs:
                 h.kill()
                 h.wait()
-    time.sleep(2)  # let the servers' batch processors flush (they flush on shutdown too)
-    spans = load(spans_dir)
-    tx = transfers(spans)
+        idle_after = idle_cores(pair)
+        dumps = [str(f) for d in (pair._watchdog.dumps if pair._watchdog else ())
+                 for f in d.files]
     lat = np.asarray(latencies)
-    diag = stall_diagnosis(tx, spans)
-    return {"mode": mode, "setting": name, "extra": extra, "n": n, "ok": len(lat), "hogs": hogs,
-            "idle_cores": idle_cores,
-            "errors": errors, "over_1s_share": float((lat > STALL_MS).mean()) if len(lat) else None,
-            "p50_ms": float(np.median(lat)) if len(lat) else None,
-            "p99_ms": float(np.quantile(lat, 0.99)) if len(lat) else None,
-            "max_ms": float(lat.max()) if len(lat) else None,
-            "latencies_ms": lat.tolist(), "stall_phase": diag.dominant_phase,
-            "stall_summary": diag.summary, "phase_excess_ms": diag.phase_excess_ms,
-            "wall_s": time.monotonic() - t_start, "spans_dir": str(spans_dir)}
+    result = {"layout": layout, "mode": mode, "connector": connector, "n": n, "ok": len(lat),
+              "hogs": hogs, "load_before": load_before, "pair_start_s": start_s,
+              "idle_cores": idle, "idle_cores_after": idle_after, "errors": errors,
+              "over_1s": int((lat > STALL_MS).sum()),
+              "p50_ms": float(np.median(lat)) if len(lat) else None,
+              "p99_ms": float(np.quantile(lat, 0.99)) if len(lat) else None,
+              "max_ms": float(lat.max()) if len(lat) else None,
+              "latencies_ms": lat.tolist(), "stack_dumps": dumps,
+              "wall_s": time.monotonic() - t_start}
+    if connector == "kvtune":
+        time.sleep(1)
+        spans = load(spans_dir)
+        diag = stall_diagnosis(transfers(spans), spans)
+        result.update(stall_phase=diag.dominant_phase, stall_summary=diag.summary,
+                      spans_dir=str(spans_dir))
+    return result
 
 
-def lat_loop(pair: LocalPair, mode: str, name: str, n: int, latencies: list, errors: list) -> None:
-    for i in range(n):
-        toks = prompt(PROMPT_LENGTHS[i % len(PROMPT_LENGTHS)], seed=i)
-        t0 = time.monotonic()
-        try:
-            conv = f"c{i // 2}" if mode == "bidirectional" else None
-            pair.complete(toks, MAX_TOKENS, conversation=conv)
-            latencies.append((time.monotonic() - t0) * 1e3)
-        except Exception as exc:  # noqa: BLE001 - recorded and reported
-            errors.append(f"{type(exc).__name__}: {str(exc)[:200]}")
-        print(f"  {mode}/{name} {i + 1}/{n}: {latencies[-1] if latencies else float('nan'):.0f} ms",
-              file=sys.stderr)
+def table(results: list[dict]) -> str:
+    rows = ["| layout | mode | connector | requests | over 1 s | p50 ms | p99 ms | max ms | "
+            "idle cores (before/after) | load before | kvtune p50 / vLLM p50 |",
+            "|---|---|---|---|---|---|---|---|---|---|---|"]
+    p50 = {(r["layout"], r["mode"], r["connector"]): r["p50_ms"] for r in results}
+    for r in results:
+        k, v = (r["layout"], r["mode"], "kvtune"), (r["layout"], r["mode"], "vllm")
+        ratio = (f"{p50[k] / p50[v]:.2f}" if r["connector"] == "kvtune" and p50.get(k)
+                 and p50.get(v) else "")
+        fmt = (lambda x: f"{x:.0f}" if x is not None else "-")
+        rows.append(f"| {r['layout']} | {r['mode']} | {r['connector']} | {r['ok']}/{r['n']} | "
+                    f"{r['over_1s']} | {fmt(r['p50_ms'])} | {fmt(r['p99_ms'])} | "
+                    f"{fmt(r['max_ms'])} | {r['idle_cores']:.2f} / {r['idle_cores_after']:.2f} | "
+                    f"{r['load_before']:.2f} | {ratio} |")
+    return "\n".join(rows)
 
 
 def figure(results: list[dict]):
     import plotly.graph_objects as go
-    from plotly.subplots import make_subplots
 
-    fig = make_subplots(rows=1, cols=2, subplot_titles=("share of requests over 1 s",
-                                                        "request time p50 / p99 (ms)"))
+    fig = go.Figure()
     for r in results:
-        label = f"{r['mode']}<br>{r['setting']}"
-        fig.add_trace(go.Bar(x=[label], y=[r["over_1s_share"]], name=label, showlegend=False),
-                      row=1, col=1)
-        fig.add_trace(go.Bar(x=[label], y=[r["p50_ms"]], marker_color="#1f77b4", showlegend=False),
-                      row=1, col=2)
-        fig.add_trace(go.Bar(x=[label], y=[r["p99_ms"]], marker_color="#ff7f0e", showlegend=False),
-                      row=1, col=2)
-    fig.update_layout(barmode="group", title="Stalls before/after, per mode")
+        fig.add_trace(go.Box(y=r["latencies_ms"], name=f"{r['mode']}<br>{r['connector']}"
+                             f"<br>{r['layout']}", boxpoints="all"))
+    fig.update_layout(title="Request time per mode and connector (ms, log scale)",
+                      yaxis_type="log", yaxis_title="ms", showlegend=False)
     return fig
 
 
@@ -139,26 +173,24 @@ def main() -> int:
     ap.add_argument("--out", default="out/stalls")
     ap.add_argument("--requests", type=int, default=30)
     ap.add_argument("--modes", default="pull,push,bidirectional")
-    ap.add_argument("--hogs", type=int, default=1,
-                    help="CPU-bound processes running while requests are sent (default 1)")
-    ap.add_argument("--setting", action="append", default=[],
-                    help="NAME=JSON kv_connector_extra_config additions (repeatable)")
+    ap.add_argument("--connectors", default="kvtune,vllm")
+    ap.add_argument("--layouts", default="quiet", help=f"comma list of {sorted(LAYOUTS)}")
+    ap.add_argument("--hogs", type=int, default=0,
+                    help="CPU-bound processes running while requests are sent (default 0)")
     args = ap.parse_args()
-    settings = [s.split("=", 1) for s in (args.setting or ["default={}"])]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     results = []
-    for mode in args.modes.split(","):
-        for name, extra in settings:
-            print(f"{mode} / {name}: starting", file=sys.stderr)
-            r = run_one(mode, name, json.loads(extra), args.requests, out, args.hogs)
-            results.append(r)
-            print(f"{mode:14s} {name:18s} idle {r['idle_cores']:.2f} cores  "
-                  f"over 1 s {r['over_1s_share']:.0%}  p50 {r['p50_ms']:.0f} ms"
-                  f"  p99 {r['p99_ms']:.0f} ms  errors {len(r['errors'])}  stall phase "
-                  f"{r['stall_phase']}", flush=True)
-            (out / "summary.json").write_text(json.dumps(results, indent=2))
-    figure(results).write_html(out / "stalls.html", include_plotlyjs=True)
+    for layout in args.layouts.split(","):
+        for mode in args.modes.split(","):
+            for connector in args.connectors.split(","):
+                print(f"{layout} / {mode} / {connector}: starting (load average "
+                      f"{load_average():.2f})", file=sys.stderr)
+                results.append(run_one(layout, mode, connector, args.requests, out, args.hogs))
+                (out / "summary.json").write_text(json.dumps(results, indent=2))
+    print(table(results), flush=True)
+    (out / "table.md").write_text(table(results) + "\n")
+    figure(results).write_html(out / "stalls.html", include_plotlyjs="cdn")
     return 0
 
 

@@ -21,9 +21,14 @@ pytest.importorskip("vllm")
 
 from kvtune.connectors.progress import (  # noqa: E402
     EXTRA_CONFIG_KEY,
+    THREAD_KEY,
+    AgentSettings,
     _agent_module,
+    agent_settings,
     delay_from_extra_config,
     progress_delay,
+    settings_of,
+    thread_from_extra_config,
 )
 
 SAMPLES = 60
@@ -129,15 +134,58 @@ def test_read_between_sleeping_agents_completes() -> None:
 def test_connectors_apply_the_delay_in_pull_mode_only(push, bidirectional, expected, caplog) -> None:
     from types import SimpleNamespace
 
-    from kvtune.connectors.worker import _progress_delay_of
-
     extra = {EXTRA_CONFIG_KEY: 1000, "bidirectional_kv_xfer": bidirectional}
     cfg = SimpleNamespace(kv_transfer_config=SimpleNamespace(kv_role="kv_consumer",
                                                              kv_connector_extra_config=extra))
-    assert _progress_delay_of(cfg, push=push) == expected
+    assert settings_of(cfg, push=push) == AgentSettings(delay_us=expected)
     if expected is None:
         assert any("pull mode only" in r.getMessage() for r in caplog.records)
     bad = SimpleNamespace(kv_transfer_config=SimpleNamespace(
         kv_role="kv_producer", kv_connector_extra_config={EXTRA_CONFIG_KEY: "fast"}))
     with pytest.raises(ConnectorError, match=EXTRA_CONFIG_KEY):
-        _progress_delay_of(bad, push=push)
+        settings_of(bad, push=push)
+
+
+@pytest.mark.parametrize("value, expected", [(None, None), (False, False), (True, True)])
+def test_progress_thread_setting(value, expected) -> None:
+    assert thread_from_extra_config({THREAD_KEY: value}) is expected
+    assert AgentSettings(progress_thread=expected).span_value == (-1 if expected is False else 0)
+    with pytest.raises(ConnectorError, match=THREAD_KEY):
+        thread_from_extra_config({THREAD_KEY: "no"})
+
+
+def test_agent_without_progress_thread_starts_no_thread_and_reads() -> None:
+    """``kvtune_nixl_progress_thread: false``: the agent starts no thread of its own, and a READ
+    completes when both sides call into NIXL (vLLM's worker does, every engine step)."""
+    with agent_settings(AgentSettings(progress_thread=False)):
+        a, a_tids = _agent("kvtune-test-noprog-reader")
+        b, b_tids = _agent("kvtune-test-noprog-target")
+    assert not a_tids and not b_tids, "an agent without a progress thread started threads"
+    src = np.arange(1 << 16, dtype=np.uint8)
+    dst = np.zeros_like(src)
+    reg_b = b.register_memory([(int(src.ctypes.data), src.nbytes, 0, "")], "DRAM")
+    reg_a = a.register_memory([(int(dst.ctypes.data), dst.nbytes, 0, "")], "DRAM")
+    try:
+        a.add_remote_agent(b.get_agent_metadata())
+        b.add_remote_agent(a.get_agent_metadata())
+        local = a.get_xfer_descs([(int(dst.ctypes.data), dst.nbytes, 0)], "DRAM")
+        remote = b.get_xfer_descs([(int(src.ctypes.data), src.nbytes, 0)], "DRAM")
+        handle = a.initialize_xfer("READ", local, remote, "kvtune-test-noprog-target", b"done")
+        assert a.transfer(handle) in ("PROC", "DONE")
+        deadline = time.monotonic() + 60
+        state = a.check_xfer_state(handle)
+        notifs: dict = {}
+        while time.monotonic() < deadline and (state == "PROC"
+                                               or not notifs.get("kvtune-test-noprog-reader")):
+            new = b.get_new_notifs()  # the target's own call is what advances it
+            for k, v in new.items():
+                notifs.setdefault(k, []).extend(v)
+            if state == "PROC":
+                state = a.check_xfer_state(handle)
+        assert state == "DONE"
+        assert np.array_equal(dst, src)
+        assert notifs["kvtune-test-noprog-reader"] == [b"done"]
+        a.release_xfer_handle(handle)
+    finally:
+        a.deregister_memory(reg_a)
+        b.deregister_memory(reg_b)

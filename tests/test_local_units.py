@@ -3,6 +3,7 @@ produces, /metrics parsing, process handling (real subprocesses standing in for 
 the HTTP client (against a real loopback HTTP server standing in for vLLM's)."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -14,15 +15,18 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from kvtune.connectors.progress import EXTRA_CONFIG_KEY as PROGRESS_KEY
-from kvtune.connectors.progress import RECOMMENDED_DELAY_US
+from kvtune.connectors.idle import EXTRA_CONFIG_KEY as IDLE_WAIT_KEY
+from kvtune.connectors.progress import RECOMMENDED_DELAY_US, THREAD_KEY
 from kvtune.errors import KvtuneError
 from kvtune.local import client
 from kvtune.local.errors import LocalPairError
 from kvtune.local.metrics import (
     PROMPT_TOKENS_BY_SOURCE, PromptTokenSources, parse_prometheus, prompt_token_sources_from_text,
 )
+from kvtune.local.layout import PINNED, QUIET
 from kvtune.local.pair import (
-    CONNECTOR_CLASSES, KV_LEASE_DURATION_S, KVTUNE_CONNECTOR_MODULE, LocalPair,
+    CONNECTOR_CLASSES, KV_LEASE_DURATION_S, KVTUNE_CONNECTOR_MODULE, PLAIN_CONNECTOR_CLASSES,
+    PLAIN_CONNECTOR_MODULE, LocalPair,
 )
 from kvtune.local.server import VllmServer, free_ports, wait_healthy
 
@@ -46,15 +50,23 @@ def test_bad_pair_arguments_raise_a_kvtune_error(tmp_path, kwargs, match):
 @pytest.mark.parametrize("connector", ["kvtune", "vllm"])
 @pytest.mark.parametrize("mode", ["pull", "push", "bidirectional"])
 def test_kv_transfer_config_per_mode_and_connector(tmp_path, mode, connector):
+    """The default (pinned) layout: what the pair always ran, with vLLM's own connectors given
+    the same NIXL agent setting as kvtune's (pull: a sleeping progress thread)."""
     kwargs = {"ttl_s": 30, "recompute_threshold": 8} if mode == "bidirectional" else {}
     pair = LocalPair(mode, connector=connector, workdir=tmp_path,
                      kv_extra_config={"num_threads": 2}, **kwargs)
+    assert pair.layout is PINNED
     p, d = pair.kv_transfer_config("prefill"), pair.kv_transfer_config("decode")
-    assert p["kv_connector"] == d["kv_connector"] == CONNECTOR_CLASSES[(connector, mode)]
+    plain = connector == "vllm" and mode == "pull"
+    expected = PLAIN_CONNECTOR_CLASSES[mode] if plain else CONNECTOR_CLASSES[(connector, mode)]
+    assert p["kv_connector"] == d["kv_connector"] == expected
     if connector == "kvtune":
         assert p["kv_connector_module_path"] == d["kv_connector_module_path"] \
             == KVTUNE_CONNECTOR_MODULE
         assert p["kv_connector"].startswith("KvtuneNixl")
+    elif plain:
+        assert p["kv_connector_module_path"] == d["kv_connector_module_path"] \
+            == PLAIN_CONNECTOR_MODULE
     else:
         assert "kv_connector_module_path" not in p
     assert (p["kv_role"], d["kv_role"]) == ("kv_producer", "kv_consumer")
@@ -64,31 +76,63 @@ def test_kv_transfer_config_per_mode_and_connector(tmp_path, mode, connector):
         extra = cfg["kv_connector_extra_config"]
         assert extra["kv_lease_duration"] == KV_LEASE_DURATION_S
         assert extra["num_threads"] == 2
+        assert THREAD_KEY not in extra and IDLE_WAIT_KEY not in extra
         if mode == "bidirectional":
             assert extra["bidirectional_kv_xfer"] is True
             assert extra["decoder_kv_blocks_ttl"] == 30
             assert extra["kv_recompute_threshold"] == 8
         else:
             assert "bidirectional_kv_xfer" not in extra
-    # NIXL's progress thread sleeps (kvtune connectors, pull mode only: push and bidirectional
-    # transfers were measured to hang with it).
+    # NIXL's progress thread sleeps in pull mode only (push and bidirectional transfers were
+    # measured to hang with it), for both connectors.
     delay_p = p["kv_connector_extra_config"].get(PROGRESS_KEY)
     delay_d = d["kv_connector_extra_config"].get(PROGRESS_KEY)
-    if connector == "kvtune" and mode == "pull":
+    if mode == "pull":
         assert delay_p == delay_d == RECOMMENDED_DELAY_US
     else:
         assert delay_p is None and delay_d is None
+    env = pair.layout.env(0)
+    assert env["VLLM_CPU_OMP_THREADS_BIND"] == "0" and "OMP_NUM_THREADS" not in env
+
+
+@pytest.mark.parametrize("connector", ["kvtune", "vllm"])
+@pytest.mark.parametrize("mode", ["pull", "push", "bidirectional"])
+def test_quiet_layout_config(tmp_path, mode, connector):
+    """Quiet layout: no core binding, NIXL agents without a progress thread, bounded idle
+    stepping; vLLM's own connectors get exactly the same settings (kvtune.connectors.plain)."""
+    pair = LocalPair(mode, connector=connector, workdir=tmp_path, layout="quiet")
+    assert pair.layout is QUIET
+    for role in ("prefill", "decode"):
+        cfg = pair.kv_transfer_config(role)
+        extra = cfg["kv_connector_extra_config"]
+        assert extra[THREAD_KEY] is False and extra["num_threads"] == 0
+        assert extra[IDLE_WAIT_KEY] == QUIET.idle_wait_ms
+        assert PROGRESS_KEY not in extra
+        if connector == "vllm":
+            assert cfg["kv_connector"] == PLAIN_CONNECTOR_CLASSES[mode]
+            assert cfg["kv_connector_module_path"] == PLAIN_CONNECTOR_MODULE
+    assert QUIET.env(1) == {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"}
+    with pytest.raises(LocalPairError, match="layout"):
+        LocalPair(mode, workdir=tmp_path, layout="crowded")
+
+
+def test_plain_connector_names_exist_in_their_module():
+    pytest.importorskip("vllm")
+    import importlib
+
+    module = importlib.import_module(PLAIN_CONNECTOR_MODULE)
+    for name in set(PLAIN_CONNECTOR_CLASSES.values()):
+        assert hasattr(module, name)
 
 
 def test_progress_delay_can_be_turned_off_or_overridden(tmp_path):
-    off = LocalPair("pull", workdir=tmp_path, progress_delay_us=None)
+    spinning = dataclasses.replace(PINNED, name="spinning", pull_progress_delay_us=None)
+    off = LocalPair("pull", workdir=tmp_path, layout=spinning)
     assert PROGRESS_KEY not in off.kv_transfer_config("decode")["kv_connector_extra_config"]
     per_role = LocalPair("push", workdir=tmp_path,
                          role_kv_extra_config={"decode": {PROGRESS_KEY: 5000}})
     assert per_role.kv_transfer_config("decode")["kv_connector_extra_config"][PROGRESS_KEY] == 5000
     assert PROGRESS_KEY not in per_role.kv_transfer_config("prefill")["kv_connector_extra_config"]
-    with pytest.raises(LocalPairError, match="progress_delay_us"):
-        LocalPair("pull", workdir=tmp_path, progress_delay_us=-1)
     with pytest.raises(LocalPairError, match="role_kv_extra_config"):
         LocalPair("pull", workdir=tmp_path, role_kv_extra_config={"router": {}})
 

@@ -19,9 +19,11 @@ and bidirectional transfers were measured to hang with a sleeping progress threa
 from __future__ import annotations
 
 import contextlib
+import logging
 import sys
 import threading
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any, Final
 
 from kvtune.errors import ConnectorError
@@ -29,10 +31,13 @@ from kvtune.errors import ConnectorError
 EXTRA_CONFIG_KEY: Final = "kvtune_progress_delay_us"
 """``kv_connector_extra_config`` key: NIXL progress-thread delay in microseconds (int >= 0)."""
 MAX_DELAY_US: Final = 1_000_000
+THREAD_KEY: Final = "kvtune_nixl_progress_thread"
+"""``kv_connector_extra_config`` key: ``false`` builds the NIXL agent without a progress thread."""
 RECOMMENDED_DELAY_US: Final = 1000
 """What kvtune's tests and ``tune`` use, and recommends (NIXL wakes at least once a millisecond)."""
 
 _LOCK = threading.Lock()
+_log = logging.getLogger(__name__)
 
 
 def delay_from_extra_config(extra: Any) -> int | None:
@@ -50,18 +55,38 @@ def delay_from_extra_config(extra: Any) -> int | None:
     return value
 
 
-class _BindingWithDelay:
-    """Stands in for the NIXL binding module while one agent is built; sets ``pthrDelay``."""
+def thread_from_extra_config(extra: Any) -> bool | None:
+    """``kvtune_nixl_progress_thread`` (:data:`THREAD_KEY`): False builds the agent without a
+    progress thread; None when absent; a clear error when it is not a bool."""
+    if not isinstance(extra, dict) or extra.get(THREAD_KEY) is None:
+        return None
+    value = extra[THREAD_KEY]
+    if not isinstance(value, bool):
+        raise ConnectorError(f"kv_transfer_config.kv_connector_extra_config.{THREAD_KEY}: "
+                             f"expected true or false, got {value!r}")
+    return value
 
-    def __init__(self, real: Any, delay_us: int) -> None:
+
+class _BindingWithSettings:
+    """Stands in for the NIXL binding module while one agent is built; changes its config."""
+
+    def __init__(self, real: Any, delay_us: int | None, progress_thread: bool | None) -> None:
         self._real = real
         self._delay_us = delay_us
+        self._progress_thread = progress_thread
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._real, name)
 
     def nixlAgent(self, name: str, config: Any) -> Any:  # noqa: N802 - NIXL's spelling
-        config.pthrDelay = self._delay_us
+        if self._delay_us is not None:
+            config.pthrDelay = self._delay_us
+        if self._progress_thread is False:
+            # No progress thread: UCX advances only inside the agent's own calls (vLLM's worker
+            # polls transfers and notifications every engine step). vLLM calls the agent from
+            # its engine thread and its handshake thread, so the agent serialises its calls.
+            config.useProgThread = False
+            config.syncMode = self._real.NIXL_THREAD_SYNC_STRICT
         return self._real.nixlAgent(name, config)
 
 
@@ -77,19 +102,71 @@ def _agent_module() -> Any:
     return module
 
 
-@contextlib.contextmanager
-def progress_delay(delay_us: int | None) -> Iterator[None]:
-    """While active, NIXL agents built in this process get ``pthrDelay = delay_us``.
+@dataclass(frozen=True)
+class AgentSettings:
+    """How one NIXL agent is built: progress-thread delay and whether it has a progress thread
+    (None: NIXL's default)."""
 
-    ``None`` changes nothing. Meant to wrap the one constructor call that builds the agent."""
-    if delay_us is None:
+    delay_us: int | None = None
+    progress_thread: bool | None = None
+
+    @property
+    def span_value(self) -> int:
+        """``kv.nixl.progress_delay_us`` on spans: -1 without a progress thread, else the delay
+        (0 = NIXL's spinning default)."""
+        if self.progress_thread is False:
+            return NO_THREAD_SPAN_VALUE
+        return 0 if self.delay_us is None else self.delay_us
+
+
+NO_THREAD_SPAN_VALUE: Final = -1
+"""``kv.nixl.progress_delay_us`` of an agent without a progress thread."""
+
+
+def settings_of(vllm_config: Any, push: bool) -> AgentSettings:
+    """The agent settings a worker's ``kv_connector_extra_config`` asks for.
+
+    The delay applies to pull mode only: in push and bidirectional mode the prefill initiates
+    transfers (WRITEs, reverse READs), and a sleeping progress thread on either side was measured
+    to hang them (the first push WRITE waited for the 120 s lease; bidirectional workers timed
+    out), so it is ignored there with a warning."""
+    cfg = vllm_config.kv_transfer_config
+    extra = getattr(cfg, "kv_connector_extra_config", None) or {}
+    delay = delay_from_extra_config(extra)
+    thread = thread_from_extra_config(extra)
+    mode = "push" if push else (
+        "bidirectional" if extra.get("bidirectional_kv_xfer", False) else "pull")
+    if delay is not None and mode != "pull":
+        _log.warning("kvtune: %s ignored in %s mode (its transfers were measured to hang with a "
+                     "sleeping NIXL progress thread); it applies to pull mode only",
+                     EXTRA_CONFIG_KEY, mode)
+        delay = None
+    return AgentSettings(delay_us=delay, progress_thread=thread)
+
+
+@contextlib.contextmanager
+def agent_settings(settings: AgentSettings) -> Iterator[None]:
+    """While active, NIXL agents built in this process get ``settings``; the default
+    ``AgentSettings()`` changes nothing. Meant to wrap the one constructor call that builds the
+    agent (vLLM's worker ``__init__``)."""
+    if settings == AgentSettings():
         yield
         return
     with _LOCK:
         module = _agent_module()
         real = module.nixlBind
-        module.nixlBind = _BindingWithDelay(real, delay_us)
+        module.nixlBind = _BindingWithSettings(real, settings.delay_us, settings.progress_thread)
         try:
             yield
         finally:
             module.nixlBind = real
+
+
+def agent_settings_of(vllm_config: Any, push: bool) -> contextlib.AbstractContextManager[None]:
+    """:func:`agent_settings` of :func:`settings_of` (the worker's extra config)."""
+    return agent_settings(settings_of(vllm_config, push))
+
+
+def progress_delay(delay_us: int | None) -> contextlib.AbstractContextManager[None]:
+    """While active, NIXL agents built in this process get ``pthrDelay = delay_us``."""
+    return agent_settings(AgentSettings(delay_us=delay_us))

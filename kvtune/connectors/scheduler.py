@@ -24,6 +24,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.push_scheduler import (
 from kvtune import spans
 from kvtune.connectors import compat
 from kvtune.connectors.ids import base_request_id, derived_span_context, request_span_context
+from kvtune.connectors.idle import IdleStepWait, wait_ms_from_extra_config
 from kvtune.connectors.observer import (
     GUARD,
     Emitter,
@@ -84,6 +85,8 @@ class _SchedulerHooks:
         if getattr(self, "is_bidirectional_kv_xfer_enabled", False):
             mode = spans.Mode.BIDIRECTIONAL
         self._kvt_init(Emitter(role, mode, str(self.engine_id)))
+        wait_ms = wait_ms_from_extra_config(getattr(cfg, "kv_connector_extra_config", None))
+        self._kvt_idle = IdleStepWait(wait_ms) if wait_ms is not None else None
 
     def _kvt_init(self, emitter: Emitter) -> None:
         """kvtune's state; ``emitter`` fixes the role and mode."""
@@ -116,6 +119,9 @@ class _SchedulerHooks:
     def build_connector_meta(self, scheduler_output: Any) -> Any:
         meta = super().build_connector_meta(scheduler_output)
         GUARD.run("scheduler.meta", self._kvt_on_meta, meta, scheduler_output)
+        idle = getattr(self, "_kvt_idle", None)
+        if idle is not None:
+            GUARD.run("scheduler.idle_wait", idle.after_schedule, scheduler_output)
         return meta
 
     @compat.overrides(_S.DECODE_START)

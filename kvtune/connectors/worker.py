@@ -32,8 +32,7 @@ from kvtune import spans
 from kvtune.connectors import compat
 from kvtune.connectors.ids import base_request_id, derived_span_context, parse_traceparent
 from kvtune.connectors.nixl_agent import ObservedNixlAgent
-from kvtune.connectors.progress import EXTRA_CONFIG_KEY as PROGRESS_KEY
-from kvtune.connectors.progress import delay_from_extra_config, progress_delay
+from kvtune.connectors.progress import agent_settings, settings_of
 from kvtune.connectors.observer import (
     GUARD,
     BoundedDict,
@@ -55,37 +54,16 @@ LEASE_EXPIRED = "kv_lease_expired"
 """``error.type`` of a ``kv.notify`` that never came: the producer's lease on the blocks ran out."""
 
 
-def _progress_delay_of(vllm_config: Any, push: bool) -> int | None:
-    """The NIXL progress-thread delay this worker's agent gets (see ``kvtune.connectors.progress``).
-
-    Pull mode only. In push and bidirectional mode the prefill initiates transfers (WRITEs,
-    reverse READs) and a sleeping progress thread on either side was measured to hang them:
-    with it on the prefill, the first push WRITE waited for the 120 s lease and the bidirectional
-    prefill's worker timed out; with it on the decode alone, single push and bidirectional
-    requests stalled for 160-200 s and a bidirectional prefill worker hung for 5 minutes."""
-    cfg = vllm_config.kv_transfer_config
-    extra = getattr(cfg, "kv_connector_extra_config", None) or {}
-    delay = delay_from_extra_config(extra)
-    mode = "push" if push else (
-        "bidirectional" if extra.get("bidirectional_kv_xfer", False) else "pull")
-    if delay is not None and mode != "pull":
-        _log.warning("kvtune: %s ignored in %s mode (its transfers were measured to hang with a "
-                     "sleeping NIXL progress thread); it applies to pull mode only",
-                     PROGRESS_KEY, mode)
-        return None
-    return delay
-
-
 class _WorkerHooks:
     """Mixed into vLLM's pull/push worker classes (before them in the MRO)."""
 
     _KVT_MODE = spans.Mode.PULL
 
     def __init__(self, vllm_config: Any, engine_id: str, kv_cache_config: Any) -> None:
-        delay = _progress_delay_of(vllm_config, push=self._KVT_MODE is spans.Mode.PUSH)
-        with progress_delay(delay):
+        settings = settings_of(vllm_config, push=self._KVT_MODE is spans.Mode.PUSH)
+        with agent_settings(settings):
             super().__init__(vllm_config, engine_id, kv_cache_config)  # vLLM's worker (MRO)
-        self._kvt_progress_delay = 0 if delay is None else delay
+        self._kvt_progress_delay = settings.span_value
         GUARD.run("worker.setup", self._kvt_setup)
 
     def _kvt_setup(self) -> None:

@@ -17,6 +17,7 @@ a router would (see ``shared/CPU-VLLM.md`` (beside the repository) for what was 
 """
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import logging
 import os
@@ -29,12 +30,15 @@ from pathlib import Path
 from typing import Any, Final
 
 from kvtune.connectors.progress import EXTRA_CONFIG_KEY as PROGRESS_DELAY_KEY
-from kvtune.connectors.progress import RECOMMENDED_DELAY_US
+from kvtune.connectors.idle import EXTRA_CONFIG_KEY as IDLE_WAIT_KEY
+from kvtune.connectors.progress import THREAD_KEY
 from kvtune.local import client, server
 from kvtune.local.errors import LocalPairError
+from kvtune.local.layout import LAYOUTS, PINNED, PairLayout
 from kvtune.local.metrics import PromptTokenSources, prompt_token_sources
 from kvtune.local.server import HOST, SERVED_MODEL_NAME, VllmServer, free_ports, logs_report
 from kvtune.local.tiny_model import make_tiny_model
+from kvtune.local.watchdog import StackWatchdog
 from kvtune.spans import KV_PARAMS_CONVERSATION_ID, KV_PARAMS_TRACEPARENT, KV_PARAMS_TURN
 
 MODES: Final = ("pull", "push", "bidirectional")
@@ -47,7 +51,14 @@ CONNECTOR_CLASSES: Final = {
     ("vllm", "bidirectional"): "NixlConnector",
     ("vllm", "push"): "NixlPushConnector",
 }
+PLAIN_CONNECTOR_CLASSES: Final = {
+    "pull": "PlainNixlPullConnector", "bidirectional": "PlainNixlPullConnector",
+    "push": "PlainNixlPushConnector",
+}
+"""vLLM's own connectors with only the layout's NIXL agent settings (``kvtune.connectors.plain``):
+what ``connector="vllm"`` loads when the layout changes the agent (vLLM's classes cannot)."""
 KVTUNE_CONNECTOR_MODULE: Final = "kvtune.connectors"
+PLAIN_CONNECTOR_MODULE: Final = "kvtune.connectors.plain"
 SPANS_DIR_ENV: Final = "KVTUNE_SPANS_DIR"
 """Environment variable that tells kvtune's connectors where to write OTLP-JSON span lines."""
 KV_LEASE_DURATION_S: Final = 120
@@ -68,6 +79,9 @@ WARMUP_LEG_TIMEOUT_S: Final = 150.0
 """Per-leg HTTP timeout during the P/D warm-up (first-contact handshakes took up to 100 s on a
 loaded machine; a hung worker takes longer than this)."""
 WARMUP_MAX_OUTPUT_TOKENS: Final = 1024
+HANG_BOUND_S: Final = 20.0
+"""A leg still running after this long gets every server thread's stack dumped (``stacks/`` in the
+workdir, see :mod:`kvtune.local.watchdog`); on the quiet layout legs take well under a second."""
 VLLM_DEFAULT_RECOMPUTE_THRESHOLD: Final = 64
 """vLLM 0.32's ``kv_recompute_threshold`` default (``NixlBaseConnectorScheduler``)."""
 
@@ -156,6 +170,7 @@ class _Servers:
     """Shared start/stop/logs of a set of servers."""
 
     _servers: list[VllmServer]
+    _watchdog: StackWatchdog | None = None
     _leg_timeout_s: float = REQUEST_TIMEOUT_S
     """Per-leg HTTP timeout; an instance value overrides it for a while (the P/D warm-up)."""
 
@@ -179,9 +194,12 @@ class _Servers:
 
     def _call(self, srv: VllmServer, leg: str, body: Mapping[str, Any],
               headers: Mapping[str, str]) -> client.CompletionResponse:
+        watch = (self._watchdog.watch(f"{leg} {srv.name} {headers.get('X-Request-Id', '')}")
+                 if self._watchdog is not None else contextlib.nullcontext())
         try:
-            return client.complete(srv.url, body, headers=headers,
-                                   timeout_s=self._leg_timeout_s)
+            with watch:
+                return client.complete(srv.url, body, headers=headers,
+                                       timeout_s=self._leg_timeout_s)
         except client.HttpError as exc:
             exited = srv.exited()
             state = f" (server exited with code {exited})" if exited is not None else ""
@@ -207,7 +225,7 @@ class LocalPair(_Servers):
                  prefill_engine_id: str = DEFAULT_PREFILL_ENGINE_ID,
                  decode_engine_id: str = DEFAULT_DECODE_ENGINE_ID,
                  cpu_cores: tuple[int, int] = (0, 1), warmup_transfer: bool = True,
-                 progress_delay_us: int | None = RECOMMENDED_DELAY_US) -> None:
+                 layout: PairLayout | str = PINNED) -> None:
         if mode not in MODES:
             raise LocalPairError(f"LocalPair: mode expected one of {MODES}, got {mode!r}")
         if connector not in CONNECTORS:
@@ -224,18 +242,18 @@ class LocalPair(_Servers):
                                  "'bidirectional' (vLLM's push connector refuses bidirectional)")
         if prefill_engine_id == decode_engine_id:
             raise LocalPairError("LocalPair: prefill_engine_id and decode_engine_id must differ")
+        if isinstance(layout, str):
+            if layout not in LAYOUTS:
+                raise LocalPairError(f"LocalPair: layout expected one of {sorted(LAYOUTS)}, "
+                                     f"got {layout!r}")
+            layout = LAYOUTS[layout]
+        self.layout = layout
         self.mode = mode
         self.connector = connector
         self.workdir = Path(workdir)
         self.spans_dir = Path(spans_dir) if spans_dir is not None else None
         self.model_dir = Path(model_dir) if model_dir is not None else None
         self.extra_env = dict(extra_env or {})
-        if progress_delay_us is not None and (
-                isinstance(progress_delay_us, bool) or not isinstance(progress_delay_us, int)
-                or progress_delay_us < 0):
-            raise LocalPairError(f"LocalPair: progress_delay_us expected an int >= 0 or None, "
-                                 f"got {progress_delay_us!r}")
-        self.progress_delay_us = progress_delay_us
         self.kv_extra_config = dict(kv_extra_config or {})
         unknown = set(role_kv_extra_config or {}) - {"prefill", "decode"}
         if unknown:
@@ -258,22 +276,21 @@ class LocalPair(_Servers):
     # --- configuration -------------------------------------------------------------------------
     def kv_transfer_config(self, role: str) -> dict[str, Any]:
         """The ``--kv-transfer-config`` of the prefill (``role="prefill"``) or decode server."""
-        extra: dict[str, Any] = {"kv_lease_duration": KV_LEASE_DURATION_S}
+        extra: dict[str, Any] = {"kv_lease_duration": KV_LEASE_DURATION_S,
+                                 **self.layout.kv_extra_config(self.mode)}
         if self.mode == "bidirectional":
             extra["bidirectional_kv_xfer"] = True
         if self.ttl_s is not None:
             extra["decoder_kv_blocks_ttl"] = self.ttl_s
         if self.recompute_threshold is not None:
             extra["kv_recompute_threshold"] = self.recompute_threshold
-        if (self.connector == "kvtune" and self.progress_delay_us is not None
-                and self.mode == "pull"):
-            # NIXL's progress thread sleeps instead of spinning a core (see
-            # kvtune.connectors.progress); pull mode only (push/bidirectional transfers hang).
-            extra[PROGRESS_DELAY_KEY] = self.progress_delay_us
         extra.update(self.kv_extra_config)
         extra.update(self.role_kv_extra_config.get(role, {}))
+        plain = self.connector == "vllm" and any(
+            extra.get(k) is not None for k in (PROGRESS_DELAY_KEY, THREAD_KEY, IDLE_WAIT_KEY))
         cfg: dict[str, Any] = {
-            "kv_connector": CONNECTOR_CLASSES[(self.connector, self.mode)],
+            "kv_connector": (PLAIN_CONNECTOR_CLASSES[self.mode] if plain
+                             else CONNECTOR_CLASSES[(self.connector, self.mode)]),
             "kv_role": "kv_producer" if role == "prefill" else "kv_consumer",
             "kv_buffer_device": "cpu",
             "engine_id": self.prefill_engine_id if role == "prefill" else self.decode_engine_id,
@@ -281,6 +298,8 @@ class LocalPair(_Servers):
         }
         if self.connector == "kvtune":
             cfg["kv_connector_module_path"] = KVTUNE_CONNECTOR_MODULE
+        elif plain:
+            cfg["kv_connector_module_path"] = PLAIN_CONNECTOR_MODULE
         return cfg
 
     @property
@@ -338,12 +357,16 @@ class LocalPair(_Servers):
         self.prefill = VllmServer(
             "prefill", model_dir=model_dir, workdir=self.workdir, port=p_port,
             cpu_core=self.cpu_cores[0], kv_transfer_config=self.kv_transfer_config("prefill"),
-            env=env, side_channel_port=p_side)
+            env={**self.layout.env(self.cpu_cores[0]), **env}, side_channel_port=p_side)
         self.decode = VllmServer(
             "decode", model_dir=model_dir, workdir=self.workdir, port=d_port,
             cpu_core=self.cpu_cores[1], kv_transfer_config=self.kv_transfer_config("decode"),
-            env=env, side_channel_port=d_side)
+            env={**self.layout.env(self.cpu_cores[1]), **env}, side_channel_port=d_side)
         self._servers = [self.prefill, self.decode]
+        if self._watchdog is None:  # one per pair: its dump files are numbered across restarts
+            self._watchdog = StackWatchdog(
+                self.workdir / "stacks", bound_s=HANG_BOUND_S,
+                leaders=lambda: [s.proc.pid for s in self._servers if s.proc is not None])
         self._start_servers()
         try:
             for srv in self._servers:  # plain warm-up: no KV transfer

@@ -123,6 +123,8 @@ class VllmServer:
             "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
             "VLLM_NIXL_SIDE_CHANNEL_HOST": HOST,
             "PYTHONUNBUFFERED": "1",
+            # A crash (SIGSEGV in a native library, say) prints every thread's Python stack.
+            "PYTHONFAULTHANDLER": "1",
         })
         if self.side_channel_port is not None:
             env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(self.side_channel_port)

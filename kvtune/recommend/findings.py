@@ -181,8 +181,8 @@ def _stalls_outside_transfer(transfers: pd.DataFrame, spans: pd.DataFrame) -> Fi
               f"agent is the likely cause: set kv_connector_extra_config.{EXTRA_CONFIG_KEY}="
               f"{RECOMMENDED_DELAY_US} (kvtune connectors, pull mode; push and bidirectional "
               f"transfers hang with it), or give each engine spare cores" if spinning else
-              "NIXL's progress threads already sleep here: look for other CPU-bound work on the "
-              "engines' cores")
+              "NIXL's agents here do not spin (their progress threads sleep, or they have none): "
+              "look for other CPU-bound work on the engines' cores")
     return Finding(
         "stalls_outside_transfer", "warning",
         f"{diag.n_stalled} of {diag.n_requests} requests took over {diag.threshold_ms:g} ms "
