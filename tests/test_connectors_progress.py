@@ -155,12 +155,14 @@ def test_progress_thread_setting(value, expected) -> None:
 
 
 def test_agent_without_progress_thread_starts_no_thread_and_reads() -> None:
-    """``kvtune_nixl_progress_thread: false``: the agent starts no thread of its own, and a READ
-    completes when both sides call into NIXL (vLLM's worker does, every engine step)."""
+    """``kvtune_nixl_progress_thread: false``: nothing the agents start keeps a core busy (UCX may
+    start its process-wide async-event thread, which sleeps), and a READ completes when both sides
+    call into NIXL (vLLM's worker does, every engine step)."""
     with agent_settings(AgentSettings(progress_thread=False)):
         a, a_tids = _agent("kvtune-test-noprog-reader")
         b, b_tids = _agent("kvtune-test-noprog-target")
-    assert not a_tids and not b_tids, "an agent without a progress thread started threads"
+    share = _running_share(a_tids | b_tids) if a_tids | b_tids else 0.0
+    assert share <= 0.3, f"a thread of an agent without a progress thread was runnable in {share:.0%}"
     src = np.arange(1 << 16, dtype=np.uint8)
     dst = np.zeros_like(src)
     reg_b = b.register_memory([(int(src.ctypes.data), src.nbytes, 0, "")], "DRAM")
