@@ -130,3 +130,17 @@ def test_non_streamed_turns_are_not_counted_as_streams(tmp_path):
     assert "remote_block_ids" in prefill[1].body["kv_transfer_params"]
     assert health["streamed_bidirectional"] == {"turns_with_kv_transfer_params": 0,
                                                 "turns_without_kv_transfer_params": 0}
+
+
+def test_sse_watcher_bounds_its_buffer_and_finds_params_after_a_huge_line():
+    from kvtune.router.server import SSE_MAX_LINE_BYTES, _SseWatcher
+    w = _SseWatcher()
+    huge = b"data: " + b"x" * (SSE_MAX_LINE_BYTES + 10)
+    for i in range(0, len(huge), 1 << 20):  # 1 MiB chunks, no newline for over 16 MiB
+        w.feed(huge[i:i + (1 << 20)])
+        assert len(w._buf) <= SSE_MAX_LINE_BYTES + (1 << 20)  # noqa: SLF001
+    final = b'\n\ndata: {"choices": [{"text": "t"}], "kv_transfer_params": {"remote_block_ids": [[1]]}}\n'
+    for byte in final:  # and split anywhere
+        w.feed(bytes([byte]))
+    assert w.kv_transfer_params == {"remote_block_ids": [[1]]}
+    assert w.content_events == 1

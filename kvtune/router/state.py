@@ -175,9 +175,10 @@ class SqliteConversationStore:
         expires_at = now + self.params_ttl_s
         blob = json.dumps(dict(kv_transfer_params), sort_keys=True)
         with self._lock, self._errors("store_params"):
+            # A new row starts at turn 0: turns are counted by begin_turn only (as in Redis).
             self._db.execute(
                 "INSERT INTO conversations (conversation_id, turn, kv_params, decode_instance,"
-                " params_expires_at, updated_at) VALUES (?, 1, ?, ?, ?, ?)"
+                " params_expires_at, updated_at) VALUES (?, 0, ?, ?, ?, ?)"
                 " ON CONFLICT(conversation_id) DO UPDATE SET kv_params = excluded.kv_params,"
                 " decode_instance = excluded.decode_instance,"
                 " params_expires_at = excluded.params_expires_at, updated_at = excluded.updated_at",
