@@ -50,21 +50,22 @@ class Batch(SpanExporter):
     """Collects spans and hands them to ``target`` as one batch at shutdown (like a batch
     processor would)."""
 
-    def __init__(self, target: SpanExporter) -> None:
+    def __init__(self, target: SpanExporter | None) -> None:
         self.target, self.spans = target, []
+        self.result = None
 
     def export(self, batch):
         self.spans.extend(batch)
         return SpanExportResult.SUCCESS
 
     def shutdown(self) -> None:
-        self.result = self.target.export(self.spans)
+        if self.target is not None:
+            self.result = self.target.export(self.spans)
 
 
 def test_raw_encoder_fails_the_whole_batch_on_one_bad_value():
     """The defect: without sanitising, the protobuf encoder rejects the batch (all 3 spans)."""
-    inner = ProtobufExporter()
-    batch = Batch(inner)
+    batch = Batch(None)
     _make_spans(batch)
     assert len(batch.spans) == 3
     try:
