@@ -130,6 +130,10 @@ class RedisFaultProxy:
 
     def close(self) -> None:
         self._stop.set()
+        try:
+            self._listener.shutdown(socket.SHUT_RDWR)  # wakes the thread blocked in accept()
+        except OSError:
+            pass
         self._listener.close()
         with self._lock:
             for s in self._socks:
@@ -149,6 +153,8 @@ class RedisFaultProxy:
 
     def _serve(self, client: socket.socket) -> None:
         upstream = socket.create_connection(("127.0.0.1", self.upstream_port), timeout=30)
+        for sock in (client, upstream):  # one small write per reply: no Nagle delays
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         with self._lock:
             self._socks += [client, upstream]
         cf, uf = client.makefile("rb"), upstream.makefile("rb")

@@ -56,7 +56,7 @@ import logging
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -184,6 +184,8 @@ class _SseWatcher:
         self.usage_completion_tokens: int | None = None
         self.kv_transfer_params: dict[str, Any] | None = None
         self.error: Any = None
+        self.done = False
+        """Whether the ``data: [DONE]`` line has been seen."""
 
     def feed(self, chunk: bytes) -> bool:
         """Take bytes; True when they held the stream's first event with generated text."""
@@ -212,7 +214,10 @@ class _SseWatcher:
         if not line.startswith(b"data:"):
             return False
         data = line[5:].strip()
-        if not data or data == b"[DONE]":
+        if data == b"[DONE]":
+            self.done = True
+            return False
+        if not data:
             return False
         try:
             event = json.loads(data)
@@ -673,11 +678,16 @@ class Router:
         return resp
 
     async def _relay_stream(self, request: web.Request, upstream: aiohttp.ClientResponse,
-                            inst: InstanceConfig, call: _Call) -> tuple[web.StreamResponse,
-                                                                        _SseWatcher]:
+                            inst: InstanceConfig, call: _Call,
+                            on_done: Callable[[_SseWatcher], Awaitable[None]] | None = None
+                            ) -> tuple[web.StreamResponse, _SseWatcher]:
         """Copy the decode's SSE to the client as it comes; a mid-stream upstream failure is
-        reported in-band (an SSE ``error`` event) since the status line is already sent."""
+        reported in-band (an SSE ``error`` event) since the status line is already sent.
+        ``on_done`` runs once the stream is complete, before the bytes holding ``data: [DONE]``
+        (or the end of the stream) reach the client: a client that sends its next turn as soon as
+        it sees them finds this turn's state already stored."""
         watcher = _SseWatcher()
+        done_called = on_done is None
         out = web.StreamResponse(status=200, headers={
             "Content-Type": upstream.headers.get("Content-Type", "text/event-stream"),
             "Cache-Control": "no-cache", **call.response_headers()})
@@ -687,7 +697,15 @@ class Router:
                 async for chunk in upstream.content.iter_any():
                     if watcher.feed(chunk):
                         call.first_token()
+                    if watcher.done and not done_called:
+                        done_called = True
+                        assert on_done is not None
+                        await on_done(watcher)
                     await out.write(chunk)
+                if not done_called:
+                    done_called = True
+                    assert on_done is not None
+                    await on_done(watcher)
             except (asyncio.TimeoutError, aiohttp.ClientError) as exc:
                 reason = (f"stream silent for {self.config.stream_idle_timeout_s:g} s"
                           if isinstance(exc, asyncio.TimeoutError) else f"{type(exc).__name__}: {exc}")
@@ -750,9 +768,12 @@ class Router:
                 if call.stream:
                     upstream = await self._open_stream("decode", d_inst, call.endpoint, d_body,
                                                        headers)
-                    out, watcher = await self._relay_stream(request, upstream, d_inst, call)
-                    await self._remember(call, watcher.kv_transfer_params, d_inst)
-                    self._count_stream_params(call, watcher, d_inst)
+                    async def turn_done(watcher: _SseWatcher) -> None:
+                        await self._remember(call, watcher.kv_transfer_params, d_inst)
+                        self._count_stream_params(call, watcher, d_inst)
+
+                    out, _ = await self._relay_stream(request, upstream, d_inst, call,
+                                                      on_done=turn_done)
                     return out
                 d_resp = await self._post_json("decode", d_inst, call.endpoint, d_body, headers,
                                                cfg.decode_timeout_s)
@@ -781,7 +802,7 @@ class Router:
         """Bidirectional streamed turn: count whether the decode's SSE carried params; without,
         tell once per conversation (span event), since every later turn will lack them too."""
         if (self.config.mode != spans.Mode.BIDIRECTIONAL or call.conversation_id is None
-                or call.error_type is not None):
+                or call.error_type is not None or watcher.error is not None):
             return
         if watcher.kv_transfer_params is not None:
             self._stream_turns["with_params"] += 1

@@ -268,6 +268,7 @@ class _RedisConnection:
 
     def _connect(self) -> None:
         self._sock = socket.create_connection(self._addr, timeout=self._timeout_s)
+        self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self._buf = b""
         self._received = 0
         hello: list[tuple[str, ...]] = []
