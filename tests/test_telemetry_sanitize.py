@@ -63,17 +63,25 @@ class Batch(SpanExporter):
             self.result = self.target.export(self.spans)
 
 
-def test_raw_encoder_fails_the_whole_batch_on_one_bad_value():
-    """The defect: without sanitising, the protobuf encoder rejects the batch (all 3 spans)."""
+def test_without_sanitising_one_bad_value_costs_the_batch_or_the_value(tmp_path):
+    """The defect: the JSON-lines file exporter loses the whole batch (all 3 spans) on one lone
+    surrogate; the OTLP protobuf encoder drops the attribute (logging an error per value)."""
     batch = Batch(None)
     _make_spans(batch)
     assert len(batch.spans) == 3
+    path = tmp_path / "raw.jsonl"
+    raw = JsonLinesSpanExporter(path)
     try:
-        encode_spans(batch.spans).SerializeToString()
-    except Exception:  # noqa: BLE001 - what the encoder raises differs by protobuf build
+        raw.export(batch.spans)
+    except UnicodeEncodeError:
         pass
     else:
-        raise AssertionError("the encoder accepted a lone surrogate: this test shows nothing")
+        raise AssertionError("the file exporter took a lone surrogate: this test shows nothing")
+    finally:
+        raw.shutdown()
+    assert not path.exists() or path.read_text(encoding="utf-8", errors="replace").strip() == ""
+    sent = encode_spans(batch.spans).resource_spans[0].scope_spans[0].spans
+    assert spans.CONVERSATION_ID not in {a.key for a in sent[1].attributes}
 
 
 def test_guarded_exporter_sanitises_so_every_span_is_exported():
