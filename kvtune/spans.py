@@ -72,6 +72,9 @@ REQUEST_ID: Final = "kv.request_id"
 """The request id as the emitting engine sees it (e.g. vLLM's ``cmpl-...-0``)."""
 BASE_REQUEST_ID: Final = "kv.base_request_id"
 """The request id with engine prefixes/suffixes stripped; equal on router, prefill and decode."""
+CLIENT_REQUEST_ID: Final = "kv.client_request_id"
+"""Router: the ``X-Request-Id`` a client sent, echoed back to it (never used upstream: the legs get
+a unique id of the router's, :data:`BASE_REQUEST_ID`, so clients cannot collide)."""
 TRANSFER_ID: Final = "kv.transfer_id"
 """Id of one KV movement, identical on initiator and target: ``<base_request_id>:<direction>``."""
 CONVERSATION_ID: Final = "kv.conversation_id"
@@ -157,6 +160,8 @@ PROBE_LAYOUT: Final = "kv.probe.layout"
 """Probe: descriptor layout, one of :class:`Layout`."""
 ERROR_TYPE: Final = "error.type"
 """Class of error when a span ends in ERROR status."""
+EXCEPTION_MESSAGE: Final = "exception.message"
+"""An error's message, on span events that report one (OpenTelemetry's name)."""
 
 # --- Resource attributes ------------------------------------------------------------------------
 SERVICE_NAME: Final = "service.name"
@@ -246,6 +251,18 @@ ENUM_VALUES: Final[dict[str, type[Enum]]] = {
     REUSE_OUTCOME: ReuseOutcome, RETENTION_OUTCOME: RetentionOutcome, PROBE_LAYOUT: Layout,
 }
 """Attributes whose values are restricted to an enum."""
+
+class EventName(str, Enum):
+    """Names of span events kvtune adds (a fixed vocabulary, like span names)."""
+
+    STREAM_PARAMS_ABSENT = "kv.router.stream_params_absent"
+    """Router, on ``kv.request`` (bidirectional): a streamed decode answer carried no
+    ``kv_transfer_params`` (vLLM before 0.33 sends none in SSE), so the conversation's next turn
+    recomputes its history. Added once per conversation (per router process)."""
+    STATE_ERROR = "kv.router.state_error"
+    """Router, on ``kv.request``: the conversation store failed; the request was served without
+    the conversation's history (``error.type`` and ``exception.message`` attributes say why)."""
+
 
 # --- Trace context carriers ---------------------------------------------------------------------
 KV_PARAMS_TRACEPARENT: Final = "kvtune_traceparent"

@@ -250,10 +250,90 @@ class _ExporterLogCapture(logging.Filter):
 _LOG_CAPTURE = _ExporterLogCapture()
 
 
+# --- Attribute sanitising -----------------------------------------------------------------------
+def clean_text(value: str) -> str:
+    """``value`` with every code point UTF-8 cannot encode (a lone surrogate, e.g. from a header
+    byte that was not UTF-8) replaced by U+FFFD; ``value`` itself when it is clean."""
+    if value.isascii():
+        return value
+    try:
+        value.encode("utf-8")
+        return value
+    except UnicodeEncodeError:
+        # Through UTF-16 with surrogatepass: a surrogate pair becomes its character, a lone one
+        # becomes U+FFFD.
+        return value.encode("utf-16-le", "surrogatepass").decode("utf-16-le", "replace")
+
+
+def _clean_value(value: Any) -> tuple[Any, bool]:
+    if isinstance(value, str):
+        cleaned = clean_text(value)
+        return cleaned, cleaned is not value
+    if isinstance(value, (list, tuple)) and any(isinstance(v, str) for v in value):
+        items = [clean_text(v) if isinstance(v, str) else v for v in value]
+        changed = any(a is not b for a, b in zip(items, value))
+        return (tuple(items) if changed else value), changed
+    return value, False
+
+
+def _clean_attributes(attributes: Mapping[str, Any] | None) -> tuple[Mapping[str, Any] | None, bool]:
+    if not attributes:
+        return attributes, False
+    out: dict[str, Any] = {}
+    changed = False
+    for key, value in attributes.items():
+        clean_key = clean_text(key)
+        clean, value_changed = _clean_value(value)
+        changed = changed or value_changed or clean_key is not key
+        out[clean_key] = clean
+    return (out if changed else attributes), changed
+
+
+def sanitize_span(span: ReadableSpan) -> ReadableSpan:
+    """``span`` itself, or a copy whose strings (name, attribute keys and values, events, links,
+    status message, resource) can all be encoded as UTF-8: no exporter then fails a batch on them."""
+    from opentelemetry.sdk.trace import Event
+    from opentelemetry.trace import Link
+    from opentelemetry.trace.status import Status
+
+    name = clean_text(span.name)
+    attributes, changed = _clean_attributes(span.attributes)
+    changed = changed or name is not span.name
+    events = []
+    for e in span.events:
+        e_attrs, e_changed = _clean_attributes(e.attributes)
+        e_name = clean_text(e.name)
+        changed = changed or e_changed or e_name is not e.name
+        events.append(Event(e_name, e_attrs, e.timestamp) if e_changed or e_name is not e.name else e)
+    links = []
+    for link in span.links:
+        l_attrs, l_changed = _clean_attributes(link.attributes)
+        changed = changed or l_changed
+        links.append(Link(link.context, l_attrs) if l_changed else link)
+    status = span.status
+    if status.description and clean_text(status.description) is not status.description:
+        status = Status(status.status_code, clean_text(status.description))
+        changed = True
+    resource = span.resource
+    if resource is not None:
+        r_attrs, r_changed = _clean_attributes(resource.attributes)
+        if r_changed:
+            resource = Resource(r_attrs, resource.schema_url)
+            changed = True
+    if not changed:
+        return span
+    return ReadableSpan(name=name, context=span.context, parent=span.parent, resource=resource,
+                        attributes=attributes, events=events, links=links, kind=span.kind,
+                        status=status, start_time=span.start_time, end_time=span.end_time,
+                        instrumentation_scope=span.instrumentation_scope)
+
+
 class GuardedSpanExporter(SpanExporter):
     """Wraps any exporter so that a failure never reaches the caller.
 
-    An exception or a FAILURE result counts the batch's spans in ``dropped_spans``; the first
+    Strings UTF-8 cannot encode are replaced before export (:func:`sanitize_span`), and a batch
+    whose export raises is exported again span by span, so one bad span never costs the others.
+    An exception or a FAILURE result counts the spans lost in ``dropped_spans``; the first
     failure is logged as one warning (with the exporter's own log message, which is held back
     while it exports), later ones only at debug level.
     """
@@ -282,12 +362,18 @@ class GuardedSpanExporter(SpanExporter):
             _logger.debug("kvtune telemetry: %s dropped %d span(s): %s", self.name, n, why)
 
     def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
+        try:
+            spans = [sanitize_span(s) for s in spans]
+        except Exception:  # noqa: BLE001 - export as they are; the per-span retry below guards
+            _logger.debug("kvtune telemetry: sanitising spans failed", exc_info=True)
         held = _ExporterLogCapture.start()
         try:
             result = self.exporter.export(spans)
         except Exception as exc:  # noqa: BLE001 - telemetry must never raise into the host
-            self._drop(len(spans), f"{type(exc).__name__}: {exc}", exc)
-            return SpanExportResult.FAILURE
+            if len(spans) == 1:
+                self._drop(1, f"{type(exc).__name__}: {exc}", exc)
+                return SpanExportResult.FAILURE
+            return self._export_one_by_one(spans)
         finally:
             _ExporterLogCapture.stop()
         if result is not SpanExportResult.SUCCESS:
@@ -296,6 +382,24 @@ class GuardedSpanExporter(SpanExporter):
             for message in held:
                 _logger.debug("kvtune telemetry: %s: %s", self.name, message)
         return result
+
+    def _export_one_by_one(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
+        """A batch raised: export each span alone, so only the spans that fail are lost."""
+        failed = 0
+        first: BaseException | None = None
+        for span in spans:
+            try:
+                if self.exporter.export([span]) is not SpanExportResult.SUCCESS:
+                    failed += 1
+            except Exception as exc:  # noqa: BLE001
+                failed += 1
+                first = first or exc
+        if failed:
+            why = f"{type(first).__name__}: {first}" if first else "export failed"
+            self._drop(failed, f"{why} (the batch's other {len(spans) - failed} span(s) were "
+                               "exported one by one)", first)
+            return SpanExportResult.FAILURE
+        return SpanExportResult.SUCCESS
 
     def force_flush(self, timeout_millis: int = 30000) -> bool:
         try:

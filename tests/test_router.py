@@ -369,15 +369,20 @@ def test_router_process_writes_spans_with_telemetry(tmp_path):
         with RouterProcess(config, workdir=tmp_path / "r",
                            env={"KVTUNE_SPANS_DIR": str(spans_dir)}) as proc:
             rid = f"req-{uuid.uuid4().hex[:8]}"
-            assert post(proc.url + "/v1/completions", _completion("a b c", conv="tele"),
-                        headers={"X-Request-Id": rid}).status == 200
+            answer = post(proc.url + "/v1/completions", _completion("a b c", conv="tele"),
+                          headers={"X-Request-Id": rid})
+            assert answer.status == 200
         tp = cluster.requests("decode")[0].headers["traceparent"]
+        upstream_id = cluster.requests("decode")[0].headers["X-Request-Id"]
     df = load(str(spans_dir))
     rows = df[df["name"] == spans.SpanName.REQUEST.value]
     assert len(rows) == 1
     row = rows.iloc[0]
     assert row["service"] == spans.service_name(spans.Role.ROUTER)
-    assert row[spans.BASE_REQUEST_ID] == rid and row[spans.CONVERSATION_ID] == "tele"
+    # The legs carry the router's own id; the client's is echoed and kept as an attribute.
+    assert answer.headers["X-Request-Id"] == rid
+    assert row[spans.BASE_REQUEST_ID] == upstream_id != rid
+    assert row["attrs"][spans.CLIENT_REQUEST_ID] == rid and row[spans.CONVERSATION_ID] == "tele"
     assert tp.split("-")[1] == row["trace_id"]
 
 

@@ -6,10 +6,10 @@ from __future__ import annotations
 from kvtune.router.config import InstanceConfig, RouterConfig, config_from_dict, load_config, write_config
 from kvtune.router.process import RouterInThread, RouterProcess
 from kvtune.router.state import (ConversationStore, RedisConversationStore, SqliteConversationStore,
-                                 TurnStart, open_store)
+                                 StateStoreError, TurnStart, open_store)
 
 __all__ = [
     "ConversationStore", "InstanceConfig", "RedisConversationStore", "RouterConfig",
-    "RouterInThread", "RouterProcess", "SqliteConversationStore", "TurnStart", "config_from_dict",
-    "load_config", "open_store", "write_config",
+    "RouterInThread", "RouterProcess", "SqliteConversationStore", "StateStoreError", "TurnStart",
+    "config_from_dict", "load_config", "open_store", "write_config",
 ]

@@ -11,6 +11,9 @@ Configuration file keys (YAML or JSON; ``kvtune.export`` writes ``router.yaml`` 
                                  #   (default: min(30, decoder_ttl_s / 4))
     state_retention_s: 86400     # how long a conversation's turn counter is kept after its last turn
     max_body_bytes: 8388608      # larger request bodies are refused with 413
+    max_connections: 1024        # client connections open at once; more get 503 and are closed
+    header_timeout_s: 30         # a client must send a request's headers within this time (from
+                                 #   connecting or from the previous answer), else it is closed
     connect_timeout_s: 10        # per upstream connection attempt
     prefill_timeout_s: 600       # whole prefill leg
     decode_timeout_s: 600        # whole non-streaming decode leg
@@ -92,6 +95,8 @@ class RouterConfig:
     """None: :func:`default_margin_s` of ``decoder_ttl_s`` (set in ``__post_init__``)."""
     state_retention_s: float = 86400.0
     max_body_bytes: int = 8 * 1024 * 1024
+    max_connections: int = 1024
+    header_timeout_s: float = 30.0
     connect_timeout_s: float = 10.0
     prefill_timeout_s: float = 600.0
     decode_timeout_s: float = 600.0
@@ -151,7 +156,7 @@ def _validate(cfg: RouterConfig, source: str = "router config") -> None:
     if not (0 <= cfg.port <= 65535):
         raise ConfigError(f"{source}: field 'port': expected 0..65535, got {cfg.port}")
     for name in ("decoder_ttl_s", "connect_timeout_s", "prefill_timeout_s", "decode_timeout_s",
-                 "stream_idle_timeout_s", "state_retention_s"):
+                 "stream_idle_timeout_s", "state_retention_s", "header_timeout_s"):
         value = getattr(cfg, name)
         if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
             raise ConfigError(f"{source}: field {name!r}: expected a positive number of seconds, "
@@ -159,6 +164,9 @@ def _validate(cfg: RouterConfig, source: str = "router config") -> None:
     if not (isinstance(cfg.margin_s, (int, float)) and 0 <= cfg.margin_s < cfg.decoder_ttl_s):
         raise ConfigError(f"{source}: field 'margin_s': expected 0 <= margin_s < decoder_ttl_s "
                           f"({cfg.decoder_ttl_s}), got {cfg.margin_s!r}")
+    if not (isinstance(cfg.max_connections, int) and cfg.max_connections >= 1):
+        raise ConfigError(f"{source}: field 'max_connections': expected an integer >= 1, "
+                          f"got {cfg.max_connections!r}")
     if cfg.max_body_bytes < 1024:
         raise ConfigError(f"{source}: field 'max_body_bytes': expected >= 1024, "
                           f"got {cfg.max_body_bytes!r}")
@@ -216,7 +224,7 @@ def config_from_dict(data: Mapping[str, Any], *, source: str = "router config") 
     for name in ("host", "state"):
         if name in data:
             kwargs[name] = str(data[name])
-    for name in ("port", "max_body_bytes"):
+    for name in ("port", "max_body_bytes", "max_connections"):
         if name in data:
             try:
                 kwargs[name] = int(data[name])
@@ -224,7 +232,8 @@ def config_from_dict(data: Mapping[str, Any], *, source: str = "router config") 
                 raise ConfigError(f"{source}: field {name!r}: expected an integer, "
                                   f"got {data[name]!r}") from None
     for name in ("decoder_ttl_s", "margin_s", "state_retention_s", "connect_timeout_s",
-                 "prefill_timeout_s", "decode_timeout_s", "stream_idle_timeout_s"):
+                 "prefill_timeout_s", "decode_timeout_s", "stream_idle_timeout_s",
+                 "header_timeout_s"):
         if name in data:
             try:
                 kwargs[name] = float(data[name])

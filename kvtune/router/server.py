@@ -4,7 +4,9 @@ Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (streaming SS
 ``GET /v1/models`` (from the first decode instance that answers), ``GET /health``.
 
 Flows (the vLLM NIXL connectors' protocol; every leg of one request carries the same
-``X-Request-Id``, the W3C ``traceparent`` header, and the same traceparent inside
+``X-Request-Id``, a unique id the router makes per request (a client's own ``X-Request-Id`` is only
+echoed back and recorded as ``kv.client_request_id``: clients cannot make two requests collide
+upstream), the W3C ``traceparent`` header, and the same traceparent inside
 ``kv_transfer_params[spans.KV_PARAMS_TRACEPARENT]``, with the conversation id and turn under
 ``spans.KV_PARAMS_CONVERSATION_ID`` / ``spans.KV_PARAMS_TURN`` when the request names a conversation):
 
@@ -18,12 +20,19 @@ Flows (the vLLM NIXL connectors' protocol; every leg of one request carries the 
   are stored per conversation and sent as the next turn's prefill ``kv_transfer_params`` (the prefill
   then pulls the conversation's history back from the decode). Params are handed out once (even
   when that turn then fails: its prefill may have read the blocks) and expire
-  ``decoder_ttl_s - margin_s`` after they were stored. vLLM returns them only in non-streaming
-  responses; a streamed turn (whose SSE carries none) leaves nothing stored, so the next turn
-  recomputes the history.
+  ``decoder_ttl_s - margin_s`` after they were stored. A streamed turn's params come from the SSE
+  event that carries ``kv_transfer_params`` (vLLM 0.33 puts them in the stream's last chunk; the
+  bytes reach the client unchanged); vLLM 0.32 sends none in a stream, so the next turn recomputes
+  the history: the router says so once per conversation (span event
+  ``kv.router.stream_params_absent``) and counts such turns in ``/health``.
+  A failing conversation store never fails the request: the turn is served without history and a
+  ``kv.router.state_error`` span event says why.
 
 The conversation id comes from the body field ``conversation_id`` (removed before forwarding) or
-the header ``spans.CONVERSATION_HEADER``.
+the header ``spans.CONVERSATION_HEADER``. Bad input (not JSON, too deep, a conversation id that is
+too long or not text, a header value that is not UTF-8) gets a 400 JSON error naming the field:
+:mod:`kvtune.router.parsing`. Connections: at most ``max_connections`` at once (more get 503), and a
+client must send a request's headers within ``header_timeout_s``.
 
 Failures: an upstream that cannot be reached, times out or answers 5xx gives the client a 502 JSON
 error naming the leg and instance (headers ``X-Kvtune-Failed-Leg`` / ``X-Kvtune-Failed-Instance``);
@@ -31,9 +40,11 @@ an upstream 4xx is passed through with the same headers. A body over ``max_body_
 
 Tracing: one ``kv.request`` span per proxied request, always a trace root (a client's own
 ``traceparent`` becomes a span link), with the mode, request id (= base request id: both legs get it
-as ``X-Request-Id``), conversation id, turn, chosen prefill and decode instances, prompt and output
+as ``X-Request-Id``), the client's request id, conversation id, turn, chosen prefill and decode instances, prompt and output
 tokens, TTFT, stream flag, HTTP status, the history tokens offered to the prefill
 (``kv.reuse.remote_tokens``, bidirectional) and ``error.type`` with ERROR status on failure.
+Responses carry ``X-Request-Id`` (the client's, else the router's id) and ``X-Kvtune-Request-Id``
+(the router's id, as in the legs and ``kv.base_request_id``).
 TTFT (``kv.ttft_ms``): request in -> first token available to the router, i.e. the first SSE event
 carrying text when streaming, and the prefill's answer (its one token) otherwise.
 """
@@ -44,7 +55,8 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import Mapping
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -58,6 +70,8 @@ from kvtune import spans
 from kvtune.errors import RouterError
 from kvtune.router.config import InstanceConfig, RouterConfig
 from kvtune.router.pool import InstancePool
+from kvtune.router.parsing import (CONVERSATION_FIELD, MAX_CLIENT_REQUEST_ID_CHARS,
+                                   REQUEST_ID_HEADER, RequestRejected, parse_request, text_problem)
 from kvtune.router.state import ConversationStore, TurnStart, open_store
 from kvtune.router.tracing import (TRACEPARENT_HEADER, TRACER_NAME, client_span_context,
                                    current_traceparent, set_attributes)
@@ -68,14 +82,21 @@ FAILED_LEG_HEADER = "X-Kvtune-Failed-Leg"
 """Response header naming the leg (``prefill`` or ``decode``) that failed."""
 FAILED_INSTANCE_HEADER = "X-Kvtune-Failed-Instance"
 """Response header naming the instance (URL) that failed."""
-REQUEST_ID_HEADER = "X-Request-Id"
+UPSTREAM_REQUEST_ID_HEADER = "X-Kvtune-Request-Id"
+"""Response header with the router's own id of the request (the legs' ``X-Request-Id``)."""
 BODY_READ_TIMEOUT_S = 60.0
 """A client must send its whole request body within this time (no slow-client stuck handlers)."""
 CLIENT_CLOSED_STATUS = 499
 """Recorded on ``kv.request`` (never sent) when the client disconnects before the answer."""
 COMPLETIONS_PATH = "/v1/completions"
 CHAT_PATH = "/v1/chat/completions"
-CONVERSATION_FIELD = "conversation_id"
+SSE_MAX_LINE_BYTES = 16 * 1024 * 1024
+"""An SSE line longer than this is relayed but not parsed (bounds the router's buffer)."""
+STREAM_NOTES_MAX_CONVERSATIONS = 100_000
+"""Conversations remembered as already told about a stream without params (oldest forgotten)."""
+STREAM_PARAMS_ABSENT_NOTE = (
+    "the decode sent no kv_transfer_params in a streamed answer (vLLM before 0.33 sends them only "
+    "in non-streamed answers): streamed bidirectional turns recompute the conversation's history")
 _FORWARDED_HEADERS = ("Authorization",)
 _ERROR_BODY_LIMIT = 2000
 
@@ -101,9 +122,11 @@ class _Call:
     """What one proxied request found out (becomes the ``kv.request`` attributes)."""
 
     request_id: str
+    """The router's own id: the legs' ``X-Request-Id`` and the span's base request id."""
     endpoint: str
     stream: bool
     conversation_id: str | None
+    client_request_id: str | None = None
     t0: float = field(default_factory=time.perf_counter)
     turn: int | None = None
     prefill_url: str | None = None
@@ -115,10 +138,17 @@ class _Call:
     remote_tokens: int | None = None
     error_type: str | None = None
     error_message: str | None = None
+    events: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
+    """Span events to add to ``kv.request`` (name, attributes)."""
 
     def first_token(self) -> None:
         if self.ttft_ms is None:
             self.ttft_ms = (time.perf_counter() - self.t0) * 1000.0
+
+    def response_headers(self) -> dict[str, str]:
+        """The request-id headers of every answer: the client's id echoed (else ours), and ours."""
+        return {REQUEST_ID_HEADER: self.client_request_id or self.request_id,
+                UPSTREAM_REQUEST_ID_HEADER: self.request_id}
 
 
 def _error_json(status: int, message: str, *, kind: str, leg: str | None = None,
@@ -131,9 +161,9 @@ def _error_json(status: int, message: str, *, kind: str, leg: str | None = None,
     return web.json_response({"error": err}, status=status, headers=dict(headers or {}))
 
 
-def _upstream_error_response(exc: UpstreamError, request_id: str) -> web.Response:
+def _upstream_error_response(exc: UpstreamError, call: _Call) -> web.Response:
     headers = {FAILED_LEG_HEADER: exc.leg, FAILED_INSTANCE_HEADER: exc.instance,
-               REQUEST_ID_HEADER: request_id}
+               **call.response_headers()}
     status = exc.client_status
     if status != 502 and exc.body:
         return web.Response(status=status, body=exc.body, headers=headers,
@@ -144,44 +174,68 @@ def _upstream_error_response(exc: UpstreamError, request_id: str) -> web.Respons
 
 class _SseWatcher:
     """Reads the SSE bytes a decode streams (without changing them): first token, counts, usage,
-    and ``kv_transfer_params`` should an event carry them."""
+    and ``kv_transfer_params`` should an event carry them (the last such event wins; vLLM 0.33
+    sends them in the stream's last chunk). Lines over :data:`SSE_MAX_LINE_BYTES` are skipped."""
 
     def __init__(self) -> None:
-        self._buf = b""
+        self._buf = bytearray()
+        self._skipping = False
         self.content_events = 0
         self.usage_completion_tokens: int | None = None
         self.kv_transfer_params: dict[str, Any] | None = None
         self.error: Any = None
+        self.done = False
+        """Whether the ``data: [DONE]`` line has been seen."""
 
     def feed(self, chunk: bytes) -> bool:
         """Take bytes; True when they held the stream's first event with generated text."""
+        if self._skipping:  # inside an over-long line: drop bytes up to its end
+            nl = chunk.find(b"\n")
+            if nl < 0:
+                return False
+            chunk, self._skipping = chunk[nl + 1:], False
         first = False
         self._buf += chunk
-        while b"\n" in self._buf:
-            line, self._buf = self._buf.split(b"\n", 1)
-            line = line.strip()
-            if not line.startswith(b"data:"):
-                continue
-            data = line[5:].strip()
-            if not data or data == b"[DONE]":
-                continue
-            try:
-                event = json.loads(data)
-            except ValueError:
-                continue
-            if not isinstance(event, dict):
-                continue
-            if "error" in event:
-                self.error = event["error"]
-            if isinstance(event.get("kv_transfer_params"), dict):
-                self.kv_transfer_params = event["kv_transfer_params"]
-            usage = event.get("usage")
-            if isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):
-                self.usage_completion_tokens = usage["completion_tokens"]
-            if _has_text(event):
-                self.content_events += 1
-                first = first or self.content_events == 1
+        start = 0
+        while True:
+            nl = self._buf.find(b"\n", start)
+            if nl < 0:
+                break
+            first = self._line(bytes(self._buf[start:nl])) or first
+            start = nl + 1
+        del self._buf[:start]
+        if len(self._buf) > SSE_MAX_LINE_BYTES:
+            self._buf.clear()
+            self._skipping = True
         return first
+
+    def _line(self, line: bytes) -> bool:
+        line = line.strip()
+        if not line.startswith(b"data:"):
+            return False
+        data = line[5:].strip()
+        if data == b"[DONE]":
+            self.done = True
+            return False
+        if not data:
+            return False
+        try:
+            event = json.loads(data)
+        except (ValueError, RecursionError):
+            return False
+        if not isinstance(event, dict):
+            return False
+        if "error" in event:
+            self.error = event["error"]
+        if isinstance(event.get("kv_transfer_params"), dict):
+            self.kv_transfer_params = event["kv_transfer_params"]
+        usage = event.get("usage")
+        if isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):
+            self.usage_completion_tokens = usage["completion_tokens"]
+        if _has_text(event):
+            self.content_events += 1
+            return self.content_events == 1
+        return False
 
     @property
     def output_tokens(self) -> int:
@@ -209,6 +263,103 @@ def _usage(body: Mapping[str, Any], key: str) -> int | None:
     return None
 
 
+class _Busy(asyncio.Protocol):
+    """A connection over ``max_connections``: answered 503 (JSON) and closed at once."""
+
+    BODY = json.dumps({"error": {"message": "the router has max_connections client connections "
+                                 "open; try again", "type": "server_busy", "code": 503}}).encode()
+
+    LINGER_S = 1.0
+    """How long the refused connection stays open to read (and drop) the client's request, so
+    that closing it does not reset the connection before the client reads the 503."""
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        transport.write(b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
+                        b"Content-Length: %d\r\nConnection: close\r\n\r\n%s"
+                        % (len(self.BODY), self.BODY))
+        asyncio.get_running_loop().call_later(self.LINGER_S, transport.close)
+
+    def data_received(self, data: bytes) -> None:
+        pass  # the request is not read: it is refused
+
+    def eof_received(self) -> bool:
+        return False  # close now
+
+
+class _HeaderDeadline(asyncio.Protocol):
+    """One client connection: aiohttp's handler, plus a deadline for the first request's headers
+    (a client trickling header bytes would hold the connection forever; later requests on a
+    keep-alive connection are bounded by aiohttp's ``keepalive_timeout``, set to the same value)."""
+
+    def __init__(self, guard: _ConnectionGuard, inner: asyncio.Protocol) -> None:
+        self._guard, self._inner = guard, inner
+        self._transport: asyncio.Transport | None = None
+        self._timer: asyncio.TimerHandle | None = None
+        self._tail = b""
+        self._seen = 0
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self._transport = transport
+        self._timer = asyncio.get_running_loop().call_later(self._guard.header_timeout_s,
+                                                            self._expire)
+        self._inner.connection_made(transport)
+
+    def data_received(self, data: bytes) -> None:
+        if self._timer is not None:
+            # Headers end at the first blank line; look at the bytes so far (with the last few of
+            # the previous chunk, for a CRLFCRLF split across chunks).
+            window = self._tail + data
+            if b"\r\n\r\n" in window or b"\n\n" in window:
+                self._timer.cancel()
+                self._timer = None
+            else:
+                self._tail = window[-3:]
+        self._inner.data_received(data)
+
+    def eof_received(self) -> bool | None:
+        return self._inner.eof_received()
+
+    def pause_writing(self) -> None:
+        self._inner.pause_writing()
+
+    def resume_writing(self) -> None:
+        self._inner.resume_writing()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        self._guard.open -= 1
+        self._inner.connection_lost(exc)
+
+    def _expire(self) -> None:
+        self._timer = None
+        self._guard.timed_out += 1
+        if self._transport is not None:
+            self._transport.abort()
+
+
+class _ConnectionGuard:
+    """The listening socket's protocol factory: at most ``max_connections`` open connections
+    (more are answered 503 and closed), each with a header deadline (:class:`_HeaderDeadline`)."""
+
+    def __init__(self, server: Any, max_connections: int, header_timeout_s: float) -> None:
+        self._server = server  # aiohttp's web.Server: a protocol factory
+        self.max_connections, self.header_timeout_s = max_connections, header_timeout_s
+        self.open = 0
+        self.refused = 0
+        self.timed_out = 0
+
+    def __call__(self) -> asyncio.Protocol:
+        if self.open >= self.max_connections:
+            self.refused += 1
+            return _Busy()
+        self.open += 1
+        return _HeaderDeadline(self, self._server())
+
+
 class Router:
     """The proxy: build it from a :class:`RouterConfig`, then :meth:`start` / :meth:`stop` it on a
     running event loop (or use :func:`serve`). ``tracer`` defaults to the global tracer provider's."""
@@ -223,7 +374,12 @@ class Router:
         self.decode = InstancePool("decode", config.decode)
         self._session: aiohttp.ClientSession | None = None
         self._runner: web.AppRunner | None = None
+        self._listener: asyncio.AbstractServer | None = None
+        self._connections: _ConnectionGuard | None = None
         self.port: int | None = None
+        self._stream_turns = {"with_params": 0, "without_params": 0}
+        self._told_no_stream_params: OrderedDict[str, None] = OrderedDict()
+        self._state_errors = 0
 
     # --- lifecycle --------------------------------------------------------------------------------
     def make_app(self) -> web.Application:
@@ -249,20 +405,29 @@ class Router:
     async def start(self, host: str | None = None, port: int | None = None) -> str:
         """Bind and serve; returns the base URL (``port`` 0 picks a free port)."""
         # handler_cancellation: a client that disconnects cancels its request here and upstream.
+        # keepalive_timeout: an idle keep-alive connection (no next request's headers) is closed.
         self._runner = web.AppRunner(self.make_app(), access_log=None, handle_signals=False,
-                                     handler_cancellation=True, shutdown_timeout=5.0)
+                                     handler_cancellation=True, shutdown_timeout=5.0,
+                                     keepalive_timeout=self.config.header_timeout_s)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, host or self.config.host,
-                           self.config.port if port is None else port)
-        await site.start()
-        self.port = int(self._runner.addresses[0][1])
+        assert self._runner.server is not None
+        self._connections = _ConnectionGuard(self._runner.server, self.config.max_connections,
+                                             self.config.header_timeout_s)
+        self._listener = await asyncio.get_running_loop().create_server(
+            self._connections, host or self.config.host,
+            self.config.port if port is None else port, reuse_address=True)
+        self.port = int(self._listener.sockets[0].getsockname()[1])
         return f"http://{host or self.config.host}:{self.port}"
 
     async def stop(self) -> None:
         """Stop serving and close the store."""
+        if self._listener is not None:
+            self._listener.close()  # no new connections; the open ones are shut down below
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
+        if self._listener is not None:
+            self._listener = None
         try:
             self.store.close()
         except Exception:
@@ -270,10 +435,21 @@ class Router:
 
     # --- small endpoints --------------------------------------------------------------------------
     async def _health(self, request: web.Request) -> web.Response:
+        streams: dict[str, Any] = {
+            "turns_with_kv_transfer_params": self._stream_turns["with_params"],
+            "turns_without_kv_transfer_params": self._stream_turns["without_params"]}
+        if self._stream_turns["without_params"]:
+            streams["note"] = STREAM_PARAMS_ABSENT_NOTE
         return web.json_response({
             "status": "ok", "mode": self.config.mode.value,
             "prefill": [vars(s) for s in self.prefill.snapshot()],
-            "decode": [vars(s) for s in self.decode.snapshot()]})
+            "decode": [vars(s) for s in self.decode.snapshot()],
+            "streamed_bidirectional": streams,
+            "state_errors_total": self._state_errors,
+            "connections": {"open": self._connections.open if self._connections else 0,
+                            "refused_total": self._connections.refused if self._connections else 0,
+                            "header_timeouts_total": (self._connections.timed_out
+                                                      if self._connections else 0)}})
 
     async def _models(self, request: web.Request) -> web.Response:
         assert self._session is not None
@@ -308,35 +484,35 @@ class Router:
         return await self._handle(request, CHAT_PATH)
 
     async def _handle(self, request: web.Request, endpoint: str) -> web.StreamResponse:
-        request_id = request.headers.get(REQUEST_ID_HEADER) or f"kvtune-{uuid.uuid4().hex}"
+        # The upstream legs' request id is always ours: a client's X-Request-Id (possibly shared
+        # by many requests) would make vLLM's P/D correlation collide.
+        request_id = f"kvtune-{uuid.uuid4().hex}"
+        ids = {REQUEST_ID_HEADER: request_id, UPSTREAM_REQUEST_ID_HEADER: request_id}
         limit = self.config.max_body_bytes
         if request.content_length is not None and request.content_length > limit:
             return _error_json(413, f"request body of {request.content_length} bytes is over the "
-                               f"router's max_body_bytes ({limit})", kind="request_too_large")
+                               f"router's max_body_bytes ({limit})", kind="request_too_large",
+                               headers=ids)
         try:
             raw = await asyncio.wait_for(request.read(), BODY_READ_TIMEOUT_S)
         except web.HTTPRequestEntityTooLarge:
             return _error_json(413, f"request body is over the router's max_body_bytes ({limit})",
-                               kind="request_too_large")
+                               kind="request_too_large", headers=ids)
         except asyncio.TimeoutError:
             return _error_json(408, f"request body not received within {BODY_READ_TIMEOUT_S:g} s",
-                               kind="request_timeout")
+                               kind="request_timeout", headers=ids)
         try:
-            body = json.loads(raw)
-        except ValueError as exc:
-            return _error_json(400, f"request body is not JSON: {exc}", kind="invalid_request_error")
-        if not isinstance(body, dict):
-            return _error_json(400, "request body: expected a JSON object",
-                               kind="invalid_request_error")
-        conv = body.pop(CONVERSATION_FIELD, None)
-        if conv is None:
-            conv = request.headers.get(spans.CONVERSATION_HEADER)
-        if conv is not None and (isinstance(conv, bool) or not isinstance(conv, (str, int))
-                                 or conv == ""):
-            return _error_json(400, f"field {CONVERSATION_FIELD!r}: expected a non-empty string",
-                               kind="invalid_request_error")
-        call = _Call(request_id=request_id, endpoint=endpoint, stream=bool(body.get("stream")),
-                     conversation_id=None if conv is None else str(conv))
+            parsed = parse_request(raw, request.headers, forwarded_headers=_FORWARDED_HEADERS)
+        except RequestRejected as exc:
+            client_id = request.headers.get(REQUEST_ID_HEADER)
+            if client_id and len(client_id) <= MAX_CLIENT_REQUEST_ID_CHARS \
+                    and text_problem(client_id) is None:
+                ids[REQUEST_ID_HEADER] = client_id  # echo it when it is itself valid
+            return _error_json(exc.status, str(exc), kind=exc.kind, headers=ids)
+        body = parsed.body
+        call = _Call(request_id=request_id, endpoint=endpoint, stream=parsed.stream,
+                     conversation_id=parsed.conversation_id,
+                     client_request_id=parsed.client_request_id)
         links = []
         client_ctx = client_span_context(request.headers)
         if client_ctx is not None:
@@ -358,14 +534,14 @@ class Router:
                 call.error_type = type(exc).__name__
                 call.error_message = str(exc)
                 _logger.warning("request %s: %s", request_id, exc)
-                response = _upstream_error_response(exc, request_id)
+                response = _upstream_error_response(exc, call)
             except Exception as exc:
                 call.http_status = 500
                 call.error_type = type(exc).__name__
                 call.error_message = f"router error: {exc}"
                 _logger.exception("request %s failed in the router", request_id)
                 response = _error_json(500, f"router error: {type(exc).__name__}: {exc}",
-                                       kind="router_error", headers={REQUEST_ID_HEADER: request_id})
+                                       kind="router_error", headers=call.response_headers())
             finally:
                 self._finish_span(span, call)
         return response
@@ -373,7 +549,8 @@ class Router:
     def _finish_span(self, span: trace.Span, call: _Call) -> None:
         set_attributes(span, {
             spans.MODE: self.config.mode.value, spans.BASE_REQUEST_ID: call.request_id,
-            spans.REQUEST_ID: call.request_id, spans.ROLE: spans.Role.ROUTER.value,
+            spans.REQUEST_ID: call.request_id, spans.CLIENT_REQUEST_ID: call.client_request_id,
+            spans.ROLE: spans.Role.ROUTER.value,
             spans.CONVERSATION_ID: call.conversation_id, spans.TURN: call.turn,
             spans.PREFILL_INSTANCE: call.prefill_url, spans.DECODE_INSTANCE: call.decode_url,
             spans.PROMPT_TOKENS: call.prompt_tokens, spans.OUTPUT_TOKENS: call.output_tokens,
@@ -381,17 +558,33 @@ class Router:
             spans.HTTP_STATUS: call.http_status, spans.REUSE_REMOTE_TOKENS: call.remote_tokens,
             spans.ERROR_TYPE: call.error_type})
         try:
+            if span.is_recording():
+                for name, attributes in call.events:
+                    span.add_event(name, attributes)
             if call.error_type is not None:
                 span.set_status(Status(StatusCode.ERROR, call.error_message))
         except Exception:
-            _logger.warning("setting span status failed", exc_info=True)
+            _logger.warning("setting span status or events failed", exc_info=True)
+
+    def _state_failed(self, call: _Call, operation: str, exc: Exception) -> None:
+        """The conversation store failed: serve on without history, and say so."""
+        self._state_errors += 1
+        _logger.warning("request %s: conversation store %s failed (served without the "
+                        "conversation's history): %s", call.request_id, operation, exc)
+        call.events.append((spans.EventName.STATE_ERROR.value, {
+            spans.ERROR_TYPE: type(exc).__name__,
+            spans.EXCEPTION_MESSAGE: f"{operation}: {exc}"[:1000]}))
 
     async def _route(self, request: web.Request, body: dict[str, Any],
                      call: _Call) -> web.StreamResponse:
         start: TurnStart | None = None
         if call.conversation_id is not None:
-            start = await asyncio.to_thread(self.store.begin_turn, call.conversation_id)
-            call.turn = start.turn
+            try:
+                start = await asyncio.to_thread(self.store.begin_turn, call.conversation_id)
+            except Exception as exc:  # noqa: BLE001 - a store failure never fails the request
+                self._state_failed(call, "begin_turn", exc)
+            else:
+                call.turn = start.turn
         traceparent = current_traceparent()
         headers = {REQUEST_ID_HEADER: call.request_id, **self._forward_headers(request)}
         if traceparent:
@@ -485,21 +678,34 @@ class Router:
         return resp
 
     async def _relay_stream(self, request: web.Request, upstream: aiohttp.ClientResponse,
-                            inst: InstanceConfig, call: _Call) -> tuple[web.StreamResponse,
-                                                                        _SseWatcher]:
+                            inst: InstanceConfig, call: _Call,
+                            on_done: Callable[[_SseWatcher], Awaitable[None]] | None = None
+                            ) -> tuple[web.StreamResponse, _SseWatcher]:
         """Copy the decode's SSE to the client as it comes; a mid-stream upstream failure is
-        reported in-band (an SSE ``error`` event) since the status line is already sent."""
+        reported in-band (an SSE ``error`` event) since the status line is already sent.
+        ``on_done`` runs once the stream is complete, before the bytes holding ``data: [DONE]``
+        (or the end of the stream) reach the client: a client that sends its next turn as soon as
+        it sees them finds this turn's state already stored."""
         watcher = _SseWatcher()
+        done_called = on_done is None
         out = web.StreamResponse(status=200, headers={
             "Content-Type": upstream.headers.get("Content-Type", "text/event-stream"),
-            "Cache-Control": "no-cache", REQUEST_ID_HEADER: call.request_id})
+            "Cache-Control": "no-cache", **call.response_headers()})
         try:
             await out.prepare(request)
             try:
                 async for chunk in upstream.content.iter_any():
                     if watcher.feed(chunk):
                         call.first_token()
+                    if watcher.done and not done_called:
+                        done_called = True
+                        assert on_done is not None
+                        await on_done(watcher)
                     await out.write(chunk)
+                if not done_called:
+                    done_called = True
+                    assert on_done is not None
+                    await on_done(watcher)
             except (asyncio.TimeoutError, aiohttp.ClientError) as exc:
                 reason = (f"stream silent for {self.config.stream_idle_timeout_s:g} s"
                           if isinstance(exc, asyncio.TimeoutError) else f"{type(exc).__name__}: {exc}")
@@ -562,8 +768,12 @@ class Router:
                 if call.stream:
                     upstream = await self._open_stream("decode", d_inst, call.endpoint, d_body,
                                                        headers)
-                    out, watcher = await self._relay_stream(request, upstream, d_inst, call)
-                    await self._remember(call, watcher.kv_transfer_params, d_inst)
+                    async def turn_done(watcher: _SseWatcher) -> None:
+                        await self._remember(call, watcher.kv_transfer_params, d_inst)
+                        self._count_stream_params(call, watcher, d_inst)
+
+                    out, _ = await self._relay_stream(request, upstream, d_inst, call,
+                                                      on_done=turn_done)
                     return out
                 d_resp = await self._post_json("decode", d_inst, call.endpoint, d_body, headers,
                                                cfg.decode_timeout_s)
@@ -574,14 +784,42 @@ class Router:
         if call.prompt_tokens is None:
             call.prompt_tokens = _usage(d_resp, "prompt_tokens")
         await self._remember(call, d_resp.get("kv_transfer_params"), d_inst)
-        return web.json_response(d_resp, headers={REQUEST_ID_HEADER: call.request_id})
+        return web.json_response(d_resp, headers=call.response_headers())
 
     async def _remember(self, call: _Call, params: Any, inst: InstanceConfig) -> None:
         """Bidirectional: store the decode's returned params for the conversation's next turn."""
         if self.config.mode != spans.Mode.BIDIRECTIONAL or call.conversation_id is None:
             return
         if isinstance(params, dict) and params.get("remote_block_ids"):
-            await asyncio.to_thread(self.store.store_params, call.conversation_id, params, inst.url)
+            try:
+                await asyncio.to_thread(self.store.store_params, call.conversation_id, params,
+                                        inst.url)
+            except Exception as exc:  # noqa: BLE001 - the answer is already the client's
+                self._state_failed(call, "store_params", exc)
+
+    def _count_stream_params(self, call: _Call, watcher: _SseWatcher,
+                             inst: InstanceConfig) -> None:
+        """Bidirectional streamed turn: count whether the decode's SSE carried params; without,
+        tell once per conversation (span event), since every later turn will lack them too."""
+        if (self.config.mode != spans.Mode.BIDIRECTIONAL or call.conversation_id is None
+                or call.error_type is not None or watcher.error is not None):
+            return
+        if watcher.kv_transfer_params is not None:
+            self._stream_turns["with_params"] += 1
+            return
+        self._stream_turns["without_params"] += 1
+        told = self._told_no_stream_params
+        if call.conversation_id in told:
+            return
+        told[call.conversation_id] = None
+        if len(told) > STREAM_NOTES_MAX_CONVERSATIONS:
+            told.popitem(last=False)
+        call.events.append((spans.EventName.STREAM_PARAMS_ABSENT.value, {
+            spans.CONVERSATION_ID: call.conversation_id, spans.DECODE_INSTANCE: inst.url,
+            spans.EXCEPTION_MESSAGE: STREAM_PARAMS_ABSENT_NOTE}))
+        if len(told) == 1:
+            _logger.warning("%s (decode %s); told once per conversation in a span event and in "
+                            "/health", STREAM_PARAMS_ABSENT_NOTE, inst.url)
 
     async def _push(self, request: web.Request, body: dict[str, Any], call: _Call,
                     headers: dict[str, str], traceparent: str | None) -> web.StreamResponse:
@@ -621,7 +859,7 @@ class Router:
                 return out
         call.prompt_tokens = _usage(p_resp, "prompt_tokens") if p_resp else None
         call.output_tokens = _usage(decoded, "completion_tokens")
-        return web.json_response(decoded, headers={REQUEST_ID_HEADER: call.request_id})
+        return web.json_response(decoded, headers=call.response_headers())
 
     async def _both(self, prefill_task: asyncio.Task[Any], decode_task: asyncio.Task[Any],
                     call: _Call) -> tuple[dict[str, Any] | None, Any]:

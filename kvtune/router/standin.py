@@ -10,6 +10,11 @@ benchmark the router where real vLLM engines are too slow to run many times. A s
 - a prefill given a decode's retained blocks that were already consumed or never retained
   answers 400 (blocks are consumed once, as vLLM frees them after the read).
 
+Streaming speaks either release's format (``sse_kv_params``): vLLM 0.32 sends no
+``kv_transfer_params`` in SSE; vLLM 0.33 adds them, as a top-level ``kv_transfer_params`` key, to
+the stream's last chunk (the one whose choice carries ``finish_reason``; a usage chunk, when asked
+for, follows it). The exact bytes of each stream are kept in ``sent_streams``.
+
 Tokens are whitespace-separated words of the prompt (or of the chat messages' contents).
 """
 from __future__ import annotations
@@ -30,6 +35,9 @@ from kvtune.router.config import InstanceConfig
 
 T = TypeVar("T")
 STANDIN_MODEL = "standin-model"
+SSE_FORMATS = ("0.32", "0.33")
+"""vLLM releases whose SSE the stand-ins speak: 0.33 carries ``kv_transfer_params`` in the last
+chunk of a stream, 0.32 does not."""
 PUSH_WAIT_S = 60.0
 """How long a push decode stand-in waits for its prefill before failing (a bounded wait)."""
 
@@ -87,9 +95,15 @@ class StandInVllmServer:
     """
 
     def __init__(self, role: str, name: str, ledger: StandInKvLedger, *, kv_port: int,
-                 bidirectional: bool = False, decoder_ttl_s: float = 480.0) -> None:
+                 bidirectional: bool = False, decoder_ttl_s: float = 480.0,
+                 sse_format: str = "0.32") -> None:
         if role not in ("prefill", "decode"):
             raise ValueError(f"role: expected 'prefill' or 'decode', got {role!r}")
+        if sse_format not in SSE_FORMATS:
+            raise ValueError(f"sse_format: expected one of {SSE_FORMATS}, got {sse_format!r}")
+        self.sse_format = sse_format
+        self.sent_streams: dict[str, bytes] = {}
+        """The exact SSE bytes sent, by the request's ``X-Request-Id``."""
         self.role, self.name, self.ledger = role, name, ledger
         self.engine_id = name
         self.kv_port = kv_port
@@ -220,7 +234,8 @@ class StandInVllmServer:
         self._record(request, body, 200, returned)
         if not body.get("stream"):
             return web.json_response(self._answer(request.path, rid, out_words, len(words), returned))
-        return await self._stream(request, rid, out_words, len(words), body)
+        return await self._stream(request, rid, out_words, len(words), body,
+                                  returned if self.sse_format == "0.33" else None)
 
     @staticmethod
     def _answer(path: str, rid: str, out_words: Sequence[str], prompt_tokens: int,
@@ -240,14 +255,18 @@ class StandInVllmServer:
                 "kv_transfer_params": dict(kv_params) if kv_params is not None else None}
 
     async def _stream(self, request: web.Request, rid: str, out_words: Sequence[str],
-                      prompt_tokens: int, body: Mapping[str, Any]) -> web.StreamResponse:
-        # Like vLLM: no kv_transfer_params in the stream.
+                      prompt_tokens: int, body: Mapping[str, Any],
+                      kv_params: Mapping[str, Any] | None) -> web.StreamResponse:
+        # vLLM 0.32: no kv_transfer_params in the stream; 0.33: in its last chunk (kv_params).
         chat = request.path.endswith("/chat/completions")
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
+        sent = bytearray()
 
         async def send(event: Mapping[str, Any]) -> None:
-            await resp.write(b"data: " + json.dumps(event).encode() + b"\n\n")
+            data = b"data: " + json.dumps(event).encode() + b"\n\n"
+            sent.extend(data)
+            await resp.write(data)
 
         base = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{rid}", "model": STANDIN_MODEL,
                 "object": "chat.completion.chunk" if chat else "text_completion",
@@ -257,16 +276,23 @@ class StandInVllmServer:
                                                                    "content": ""}}]})
         for i, word in enumerate(out_words):
             text = word if i == 0 else " " + word
-            choice = ({"index": 0, "delta": {"content": text}} if chat
-                      else {"index": 0, "text": text})
-            await send({**base, "choices": [choice]})
+            last = i == len(out_words) - 1
+            choice: dict[str, Any] = ({"index": 0, "delta": {"content": text}} if chat
+                                      else {"index": 0, "text": text, "logprobs": None})
+            choice["finish_reason"] = "length" if last else None
+            event: dict[str, Any] = {**base, "choices": [choice]}
+            if last and kv_params is not None:
+                event["kv_transfer_params"] = dict(kv_params)
+            await send(event)
         opts = body.get("stream_options") or {}
         if isinstance(opts, dict) and opts.get("include_usage"):
             await send({**base, "choices": [], "usage": {
                 "prompt_tokens": prompt_tokens, "completion_tokens": len(out_words),
                 "total_tokens": prompt_tokens + len(out_words)}})
+        sent.extend(b"data: [DONE]\n\n")
         await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()
+        self.sent_streams[rid] = bytes(sent)
         return resp
 
 
@@ -278,13 +304,14 @@ class StandInVllmCluster:
     """
 
     def __init__(self, n_prefill: int = 1, n_decode: int = 1, *, bidirectional: bool = False,
-                 decoder_ttl_s: float = 480.0) -> None:
+                 decoder_ttl_s: float = 480.0, sse_format: str = "0.32") -> None:
         self.ledger = StandInKvLedger()
         self.prefill = [StandInVllmServer("prefill", f"standin-prefill-{i}", self.ledger,
                                           kv_port=15600 + i) for i in range(n_prefill)]
         self.decode = [StandInVllmServer("decode", f"standin-decode-{i}", self.ledger,
                                          kv_port=15700 + i, bidirectional=bidirectional,
-                                         decoder_ttl_s=decoder_ttl_s) for i in range(n_decode)]
+                                         decoder_ttl_s=decoder_ttl_s, sse_format=sse_format)
+                       for i in range(n_decode)]
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
 
