@@ -1,7 +1,9 @@
 """Findings as readable HTML: severity, the whole message, the evidence behind a disclosure.
 
 The same HTML goes into ``report.html`` and, through :class:`FindingsView`, into the notebooks; a
-message is never cut (the old plotly table clipped them mid-sentence).
+message is never cut (the old plotly table clipped them mid-sentence). Numbers in messages with
+more than 4 significant digits are rounded (`kvtune.tune.numbers.readable_text`); the exact
+values stay in ``recommendation.json``.
 """
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvtune.tune.numbers import fmt_num
+from kvtune.tune.numbers import fmt_num, readable_text
 
 SEVERITY_ORDER = {"error": 0, "warning": 1, "info": 2}
 """Findings are listed most severe first; unknown severities last."""
@@ -67,7 +69,7 @@ def value_text(v: Any) -> str:
     if isinstance(v, Mapping):
         return "; ".join(f"{k}: {value_text(x)}" for k, x in v.items()) if v else "(none)"
     if isinstance(v, str):
-        return v
+        return readable_text(v)
     return fmt_num(v)
 
 
@@ -81,7 +83,7 @@ def findings_html(findings: Sequence[Any]) -> str:
     for f in items:
         sev = str(f.get("severity") or "info")
         code = str(f.get("code") or "")
-        msg = str(f.get("message") or "")
+        msg = readable_text(str(f.get("message") or ""))
         rows = evidence_rows(f.get("evidence") or {})
         more = len(rows) - MAX_EVIDENCE_ITEMS
         body = "".join(f"<tr><th>{html.escape(k)}</th><td>{html.escape(v)}</td></tr>"

@@ -6,6 +6,7 @@ for a recommended value next to its range), so the page never shows ``0.22157840
 from __future__ import annotations
 
 import math
+import re
 from typing import Any
 
 MAX_SIG_DIGITS = 4
@@ -38,6 +39,8 @@ def fmt_num(x: Any, sig: int = DEFAULT_SIG_DIGITS) -> str:
     if isinstance(x, float) and math.isinf(x):
         return "∞" if x > 0 else "-∞"
     ax = abs(x)
+    if ax >= 1e15:
+        return f"{x:.{sig - 1}e}".replace("e+", "e")
     for above, scale, suffix in _SUFFIXES:
         if ax >= above:
             return _trim(_round_sig(x / scale, sig)) + suffix
@@ -46,6 +49,21 @@ def fmt_num(x: Any, sig: int = DEFAULT_SIG_DIGITS) -> str:
     if ax < 1e-3:
         return f"{x:.{sig - 1}e}".replace("e-0", "e-")
     return _trim(_round_sig(x, sig))
+
+
+NUMBER_IN_TEXT = re.compile(r"(?<![A-Za-z0-9_.])(?<![A-Za-z0-9]-)\d+(?:\.\d+)?(?![A-Za-z0-9_])")
+"""A number standing alone in free text: not part of an identifier (``conv-12345``, hex ids)."""
+
+
+def readable_text(text: str) -> str:
+    """``text`` (a finding's message, an evidence string) with every number of more than
+    :data:`MAX_SIG_DIGITS` significant digits rounded to that many (``183456 ms`` ->
+    ``183.5k ms``); the rest of the text as it is. The exact values stay in recommendation.json."""
+    def sub(m: re.Match[str]) -> str:
+        tok = m.group(0)
+        return fmt_num(float(tok), MAX_SIG_DIGITS) if significant_digits(tok) > MAX_SIG_DIGITS \
+            else tok
+    return NUMBER_IN_TEXT.sub(sub, text)
 
 
 def fmt_value(value: Any, lo: Any, hi: Any) -> tuple[str, str, str]:
