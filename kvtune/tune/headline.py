@@ -51,8 +51,8 @@ class Verification:
     @classmethod
     def from_json(cls, data: Any) -> Verification:
         if not isinstance(data, Mapping) or not data.get("status"):
-            return cls("not verified", None, "`kvtune verify` has not been run on these values; "
-                                             "they come from the model of the traced runs only")
+            return cls("not verified", None, "kvtune verify has not been run on these values; "
+                                             "they rest on the traced runs and kvtune's cost model only")
         pct = data.get("ttft_p50_change_pct")
         return cls(str(data["status"]), float(pct) if isinstance(pct, (int, float)) else None,
                    str(data.get("detail") or ""))
