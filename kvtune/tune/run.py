@@ -72,7 +72,7 @@ def run_tune(traces: str | None = None, out_dir: str | Path = "out/tune", *,
         values.update(run.values)
     rec = out / "configs" / "recommendation.json"
     data = None
-    if rec.exists():
+    if rec.exists() and "tune" in notebooks:  # else it is an earlier run's: not this report's
         data = json.loads(rec.read_text())
         data["trace_source_kind"] = source_kind
         # Filled by a verification run (``kvtune verify``, not yet written); the report reads it.
