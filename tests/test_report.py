@@ -124,8 +124,10 @@ def test_headline_cards_say_value_range_and_why_in_rounded_numbers():
     h = headline.build(_rec())
     thr, ttl, mode = h.cards
     assert (thr.value_text, thr.unit, thr.range_text) == ("520", "tokens", "range 410 – 690 tokens")
-    assert "523 tokens" in thr.why and "4.22 ms" in thr.why
+    assert thr.exact_text == "523 in the config files"  # what is applied, said once
+    assert "about 520 tokens" in thr.why and "4.22 ms" in thr.why
     assert (ttl.value_text, ttl.range_text) == ("45", "range 30 – 61 s")
+    assert ttl.exact_text == ""
     assert "85%" in ttl.why and "0.422 GB" in ttl.why
     assert mode.value_text == "bidirectional" and mode.range_text == "runner-up: pull"
     assert "12.3 ms" in mode.why and "15.7 ms" in mode.why

@@ -36,6 +36,8 @@ class ValueCard:
     unit: str
     range_text: str
     why: str
+    exact_text: str = ""
+    """What the config files hold when the rounded value differs (``"523 in the config files"``)."""
 
 
 @dataclass(frozen=True)
@@ -90,11 +92,17 @@ def _threshold_card(r: Mapping[str, Any]) -> ValueCard:
         return ValueCard(THRESHOLD, "never", "(always recompute)", f"range {lo} – {hi}", why)
     be, pull = ev.get("break_even_tokens"), ev.get("pull_ms_at_break_even")
     if be is not None and pull is not None:
-        why = (f"Pulling {fmt_num(be)} tokens of history back costs {fmt_num(pull)} ms, as much as "
+        why = (f"Pulling about {v} tokens of history back costs {fmt_num(pull)} ms, as much as "
                f"recomputing them: longer histories are pulled, shorter ones recomputed.")
     else:
         why = "Break-even between pulling history back and recomputing it."
-    return ValueCard(THRESHOLD, v, "tokens", f"range {lo} – {hi} tokens", why)
+    return ValueCard(THRESHOLD, v, "tokens", f"range {lo} – {hi} tokens", why,
+                     _exact(value, v))
+
+
+def _exact(value: Any, shown: str) -> str:
+    written = fmt_num(value, 4) if isinstance(value, (int, float)) else str(value)
+    return "" if written == shown else f"{written} in the config files"
 
 
 def _ttl_card(r: Mapping[str, Any]) -> ValueCard:
@@ -108,7 +116,7 @@ def _ttl_card(r: Mapping[str, Any]) -> ValueCard:
                f"{fmt_num(ev.get('router_params_ttl_s'))} s.")
     else:
         why = "No conversation in the trace came back for a second turn: nothing is worth keeping."
-    return ValueCard(TTL, v, "s", f"range {lo} – {hi} s", why)
+    return ValueCard(TTL, v, "s", f"range {lo} – {hi} s", why, _exact(value, v))
 
 
 def _mode_card(r: Mapping[str, Any]) -> ValueCard:
@@ -196,7 +204,7 @@ HEADLINE_CSS = (
     ".card h3{margin:0;font-size:.95em;font-family:monospace;color:#333}"
     ".card .value{font-size:2em;font-weight:bold;margin:2px 0}"
     ".card .unit{font-size:.5em;font-weight:normal;color:#555;margin-left:.3em}"
-    ".card .range{color:#444}.card .why{font-size:.9em;margin:4px 0 0}"
+    ".card .range{color:#444}.card .exact{font-size:.85em;color:#666}.card .why{font-size:.9em;margin:4px 0 0}"
     ".sure{margin:6px 0;padding:4px 12px;background:#f6f6f6;border-radius:6px}"
     ".sure p{margin:3px 0}.verification{font-weight:bold}"
     ".verification.not-verified{color:#92400e}"
@@ -212,7 +220,9 @@ def render(h: Headline) -> str:
     cards = "".join(
         f'<div class="card" id="rec-{e(c.name)}"><h3>{e(c.name)}</h3>'
         f'<div class="value">{e(c.value_text)}<span class="unit">{e(c.unit)}</span></div>'
-        f'<div class="range">{e(c.range_text)}</div><p class="why">{e(c.why)}</p></div>'
+        f'<div class="range">{e(c.range_text)}'
+        + (f' <span class="exact">({e(c.exact_text)})</span>' if c.exact_text else "")
+        + f'</div><p class="why">{e(c.why)}</p></div>'
         for c in h.cards)
     vclass = "verification" + (" not-verified" if h.verification.status == "not verified" else "")
     sure = "".join(f"<p>{e(line)}</p>" for line in h.confidence)
