@@ -43,6 +43,7 @@ def prepare(traces: str | None = None, out_dir: str | os.PathLike[str] = DEFAULT
     ``injected-parameters`` cell after the ``parameters`` cell). A bad parameter raises
     `ConfigError` naming it, before anything is written."""
     import nbformat
+    from papermill.iorw import load_notebook_node
     from papermill.parameterize import parameterize_notebook
 
     root = Path(out_dir).resolve()
@@ -64,7 +65,7 @@ def prepare(traces: str | None = None, out_dir: str | os.PathLike[str] = DEFAULT
     root.mkdir(parents=True, exist_ok=True)
     written = []
     for name, src in zip(notebooks, paths):
-        nb = nbformat.read(str(src), as_version=4)
+        nb = load_notebook_node(str(src))  # papermill's reader: every cell gets its tags list
         nb = parameterize_notebook(nb, checked, kernel_name="python3", language="python")
         dest = root / f"{name}.ipynb"
         nbformat.write(nb, str(dest))
