@@ -83,6 +83,8 @@ def lab_command(workspace: LabWorkspace, *, port: int = 8888, token: str | None 
     cmd = [sys.executable, "-m", "jupyterlab", f"--ServerApp.ip={LAB_HOST}",
            f"--ServerApp.port={int(port)}", f"--ServerApp.root_dir={workspace.root}",
            f"--ServerApp.open_browser={open_browser}"]
+    if hasattr(os, "geteuid") and os.geteuid() == 0:  # containers run as root; Jupyter refuses
+        cmd.append("--ServerApp.allow_root=True")
     if token is not None:  # else JupyterLab makes one and prints the URL with it
         cmd.append(f"--IdentityProvider.token={token}")
     if start:
