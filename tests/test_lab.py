@@ -152,16 +152,20 @@ PLOTS = """(() => [...document.querySelectorAll('.jp-Notebook .js-plotly-plot')]
   w: p.getBoundingClientRect().width, h: p.getBoundingClientRect().height})))()"""
 
 
-def _menu(page, label: str, command: str) -> None:
-    """Open the menu bar's ``label`` menu and click the item running ``command`` (real clicks)."""
+def _menu(page, label: str, item: str) -> None:
+    """Open the menu bar's ``label`` menu and click its item labelled ``item`` (real clicks)."""
     idx = page.eval(f"[...document.querySelectorAll('.lm-MenuBar-item')].findIndex(e => "
                     f"e.textContent.trim() === {json.dumps(label)})")
     assert idx is not None and idx >= 0, f"no {label!r} menu in JupyterLab's menu bar"
     page.click(f".lm-MenuBar-item:nth-child({idx + 1})")
-    item = f'.lm-Menu-item[data-command="{command}"]'
-    page.wait_for(f"!!document.querySelector({json.dumps(item)})", timeout_s=20,
-                  what=f"menu item {command}")
-    page.click(item)
+    find = (f"[...document.querySelectorAll('.lm-Menu-item')].findIndex(e => "
+            f"(e.querySelector('.lm-Menu-itemLabel') || e).textContent.trim() === {json.dumps(item)})")
+    page.wait_for(f"{find} >= 0", timeout_s=20, what=f"menu item {item!r}")
+    n = page.eval(find)
+    page.eval(f"document.querySelectorAll('.lm-Menu-item')[{n}].setAttribute('data-kvtune-click', '1')")
+    page.click('.lm-Menu-item[data-kvtune-click="1"]')
+    page.eval("document.querySelectorAll('[data-kvtune-click]').forEach(e => "
+              "e.removeAttribute('data-kvtune-click'))")
 
 
 def _run_all_and_check(page, base: str, token: str, nb_path: Path, shots: Path) -> None:
@@ -171,7 +175,7 @@ def _run_all_and_check(page, base: str, token: str, nb_path: Path, shots: Path) 
     page.wait_for("/Idle/.test(document.body.textContent)", timeout_s=LAB_START_S,
                   what="the kernel to start (status bar: Idle)")
     time.sleep(1)
-    _menu(page, "Run", "notebook:run-all-cells")
+    _menu(page, "Run", "Run All Cells")
 
     def done(state: dict) -> bool:
         return bool(state["n"]) and all(p[1:-2].isdigit() for p in state["prompts"])
@@ -197,7 +201,7 @@ def _run_all_and_check(page, base: str, token: str, nb_path: Path, shots: Path) 
     assert page.eval("document.querySelectorAll('.jp-Notebook details.finding, "
                      ".jp-Notebook .no-findings').length") >= 1
     # Save through the UI: every figure the kernel produced is one that drew.
-    _menu(page, "File", "docmanager:save")
+    _menu(page, "File", "Save Notebook")
     page.wait_for("!document.querySelector('.jp-mod-dirty')", timeout_s=30, what="the save")
     time.sleep(1)
     saved = nbformat.read(str(nb_path), as_version=4)
