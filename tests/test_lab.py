@@ -152,15 +152,17 @@ PLOTS = """(() => [...document.querySelectorAll('.jp-Notebook .js-plotly-plot')]
   w: p.getBoundingClientRect().width, h: p.getBoundingClientRect().height})))()"""
 
 
-def _menu(page, label: str, item: str) -> None:
-    """Open the menu bar's ``label`` menu and click its item labelled ``item`` (real clicks)."""
+def _menu(page, label: str, *items: str) -> None:
+    """Open the menu bar's ``label`` menu and click its first item labelled one of ``items``
+    (real clicks)."""
     idx = page.eval(f"[...document.querySelectorAll('.lm-MenuBar-item')].findIndex(e => "
                     f"e.textContent.trim() === {json.dumps(label)})")
     assert idx is not None and idx >= 0, f"no {label!r} menu in JupyterLab's menu bar"
     page.click(f".lm-MenuBar-item:nth-child({idx + 1})")
     find = (f"[...document.querySelectorAll('.lm-Menu-item')].findIndex(e => "
-            f"(e.querySelector('.lm-Menu-itemLabel') || e).textContent.trim() === {json.dumps(item)})")
-    page.wait_for(f"{find} >= 0", timeout_s=20, what=f"menu item {item!r}")
+            f"{json.dumps(list(items))}.includes("
+            f"(e.querySelector('.lm-Menu-itemLabel') || e).textContent.trim()))")
+    page.wait_for(f"{find} >= 0", timeout_s=20, what=f"menu item {items!r}")
     n = page.eval(find)
     page.eval(f"document.querySelectorAll('.lm-Menu-item')[{n}].setAttribute('data-kvtune-click', '1')")
     page.click('.lm-Menu-item[data-kvtune-click="1"]')
@@ -201,7 +203,7 @@ def _run_all_and_check(page, base: str, token: str, nb_path: Path, shots: Path) 
     assert page.eval("document.querySelectorAll('.jp-Notebook details.finding, "
                      ".jp-Notebook .no-findings').length") >= 1
     # Save through the UI: every figure the kernel produced is one that drew.
-    _menu(page, "File", "Save Notebook")
+    _menu(page, "File", "Save Notebook", "Save")
     page.wait_for("!document.querySelector('.jp-mod-dirty')", timeout_s=30, what="the save")
     time.sleep(1)
     saved = nbformat.read(str(nb_path), as_version=4)
