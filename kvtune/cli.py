@@ -19,6 +19,7 @@ COMMAND_MODULES: tuple[tuple[str, str], ...] = (
     ("analyze", "kvtune.analysis.cli"),
     ("recommend", "kvtune.recommend.cli"),
     ("tune", "kvtune.tune.cli"),
+    ("lab", "kvtune.tune.lab_cli"),
     ("router", "kvtune.router.cli"),
     ("sim", "kvtune.sim.cli"),
     ("dashboards", "kvtune.dashboards.cli"),

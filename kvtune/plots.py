@@ -42,11 +42,11 @@ def floor_fit(tx: pd.DataFrame, fit: Any, *, column: str = "critical_ms",
                                  fill="toself", fillcolor="rgba(0,0,0,0.12)", line={"width": 0},
                                  name="95% interval", hoverinfo="skip"))
         fig.add_trace(go.Scatter(x=xs, y=mid, mode="lines", line={"color": "black"},
-                                 name=f"fit: floor {fit.floor_ms:.3f} ms, "
-                                      f"{fit.bandwidth_gbps:.2f} Gb/s"))
+                                 name=f"fit: floor {fit.floor_ms:.3g} ms, "
+                                      f"{fit.bandwidth_gbps:.3g} Gb/s"))
         fig.add_trace(go.Scatter(x=[xs[0], xs[-1]], y=[fit.floor_ms, fit.floor_ms], mode="lines",
                                  line={"dash": "dot", "color": "gray"},
-                                 name=f"floor {fit.floor_ms:.3f} ms"))
+                                 name=f"floor {fit.floor_ms:.3g} ms"))
     fig.update_layout(title=title, xaxis_title="bytes per transfer (per rank)",
                       yaxis_title=f"{column.removesuffix('_ms')} time (ms)", xaxis_type="log",
                       yaxis_type="log")

@@ -20,6 +20,8 @@ traces = ""
 fabric = "local"
 # model: geometry preset (qwen3-32b) or a config.json path; empty: infer from the spans
 model = ""
+# model_name: the model name or path `vllm serve` takes; empty: kv.model from the spans
+model_name = ""
 # tp_size: tensor-parallel size
 tp_size = 1
 # hbm_budget_gb: decode memory allowed for retained KV, GB
@@ -35,7 +37,7 @@ seed = 0
 
 LOAD = '''\
 from kvtune import analysis, nb, plots, recommend
-from kvtune.tune import figures
+from kvtune.tune import figures, findings
 
 spans = nb.load_spans(traces)
 geometry = nb.geometry(model, tp_size)
@@ -71,8 +73,7 @@ NOTEBOOKS: dict[str, list[tuple[str, str]]] = {
         ("code", RECOMMEND + 'nb.publish("floor_ms", tuning.fit.floor_ms)\n'
                  'nb.publish("bandwidth_gbps", tuning.fit.bandwidth_gbps)\n'
                  'nb.publish("fit_source", tuning.extra.get("fit_source"))\n'
-                 'nb.show(plots.table(figures.findings_rows(tuning), title="Readiness findings"),\n'
-                 '        "findings")'),
+                 'findings.FindingsView.of(tuning)'),
     ],
     "recompute_threshold": [
         ("markdown", "# kv_recompute_threshold\nPulling R tokens of history back costs the floor "
@@ -140,12 +141,15 @@ NOTEBOOKS: dict[str, list[tuple[str, str]]] = {
                      "and the config files vLLM and the router take as they are."),
         ("code", LOAD),
         ("code", RECOMMEND + 'from kvtune import export\n'
-                 'written = export.write(tuning, f"{out_dir}/configs", geometry=geometry, overwrite=True)\n'
+                 'served = export.model_name(model_name, spans=spans, geometry_model=model)\n'
+                 'written = export.write(tuning, f"{out_dir}/configs", geometry=geometry, model=served,\n'
+                 '                       overwrite=True)\n'
                  'nb.publish("kv_recompute_threshold", tuning.threshold.value)\n'
                  'nb.publish("decoder_kv_blocks_ttl", tuning.ttl.value)\n'
                  'nb.publish("mode", tuning.mode.value)\n'
-                 'print("written:", written)'),
-        ("code", 'nb.show(plots.table(figures.findings_rows(tuning), title="Findings"), "findings")'),
+                 'nb.publish("model_name", served.name)\n'
+                 'print("written:", written, "model:", served.name, f"({served.source})")'),
+        ("code", 'findings.FindingsView.of(tuning)'),
     ],
 }
 

@@ -77,6 +77,8 @@ def test_tune_runs_every_notebook_and_values_match_recommendation_json(tuned):
 
 def test_report_embeds_every_figure_and_plotly_once(tuned):
     html = tuned.report_html.read_text()
+    assert "<table><tr><th>kv_recompute_threshold" not in html  # the raw values table is gone
+    assert 'id="headline"' in html and 'id="findings"' in html
     n_figs = len(list((tuned.out_dir / "figures").glob("*.json")))
     assert n_figs >= 8
     assert html.count('class="figure"') == n_figs
@@ -131,12 +133,19 @@ def test_cli_papermill_style_parameters_file(tmp_path, spans_file):
     (tmp_path / "p.yaml").write_text("hbm_budget_gb: 3.5\nfabric: lab\n")
     proc = subprocess.run([sys.executable, "-m", "kvtune.cli", "tune", "--traces", str(spans_file),
                            "--out", str(tmp_path / "o"), "-f", str(tmp_path / "p.yaml"),
-                           "-p", "seed", "3", "--notebooks", "tune"],
+                           "-p", "seed", "3", "--notebooks", "tune", "--model", "Qwen/Qwen3-8B"],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     rec = json.loads((tmp_path / "o" / "configs" / "recommendation.json").read_text())
     assert rec["recommendations"]["decoder_kv_blocks_ttl"]["evidence"]["hbm_budget_gb"] == 3.5
     assert "kv_recompute_threshold" in proc.stdout
+    # --model is the name written everywhere: serve args, REPORT.md, recommendation.json, report.
+    assert rec["model"] == "Qwen/Qwen3-8B" and "given" in rec["model_source"]
+    assert (tmp_path / "o" / "configs" / "prefill.vllm-serve.args").read_text().startswith(
+        "Qwen/Qwen3-8B\n")
+    assert "`Qwen/Qwen3-8B`" in (tmp_path / "o" / "configs" / "REPORT.md").read_text()
+    assert "<code>Qwen/Qwen3-8B</code>" in (tmp_path / "o" / "report.html").read_text()
+    assert "model:           Qwen/Qwen3-8B" in proc.stdout
 
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
@@ -162,6 +171,26 @@ def test_report_renders_every_plotly_graph_in_headless_chromium(tuned, tmp_path)
     keep = ROOT / "out" / "report-screenshot.png"
     keep.parent.mkdir(exist_ok=True)
     shutil.copy(shot, keep)
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="Debian's chromium is not installed "
+                    "(scripts/setup.sh --test installs it when run as root)")
+def test_report_top_shows_values_ranges_and_verification_at_1400x900(tuned, tmp_path):
+    """The issue's screenshot test on the page `kvtune tune` wrote (papermill path): the three
+    values, their ranges and the verification line without scrolling, no number over 4
+    significant digits, every finding's full text in the DOM; the figures drew too."""
+    from cdp import Chromium
+    from test_report import HEIGHT, WIDTH, check_report_top
+
+    rec = json.loads(tuned.recommendation_json.read_text())
+    assert rec["verification"] is None  # the field a verification run fills
+    with Chromium(tmp_path / "profile", WIDTH, HEIGHT) as page:
+        facts = check_report_top(page, tuned.report_html, rec, tmp_path / "report-top.png")
+        n_figs = len(list((tuned.out_dir / "figures").glob("*.json")))
+        page.wait_for("[...document.querySelectorAll('.js-plotly-plot')].filter(e => "
+                      f"e.querySelector('.main-svg')).length >= {n_figs}", timeout_s=60,
+                      what=f"{n_figs} plotly figures drawn")
+    assert facts["rects"]["verification"]["text"].startswith("Verification: not verified")
 
 
 @pytest.mark.nixl

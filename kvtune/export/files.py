@@ -30,6 +30,7 @@ import yaml
 from kvtune import __version__
 from kvtune import spans as sc
 from kvtune.errors import ConfigError
+from kvtune.export.model import PLACEHOLDER, ModelName
 from kvtune.recommend.results import NEVER, Tuning
 from kvtune.recommend.ttl import router_margin_s
 
@@ -138,13 +139,13 @@ def _versions_line(tuning: Tuning) -> str:
     return f"Measured on {', '.join(parts)}." if parts else "The trace does not name its vLLM/NIXL."
 
 
-def _report(tuning: Tuning, model: str, files: dict[str, str]) -> str:
+def _report(tuning: Tuning, model: ModelName, files: dict[str, str]) -> str:
     t, ttl, m = tuning.threshold, tuning.ttl, tuning.mode
     fit = tuning.fit
     lines = [
         "# kvtune recommendation", "",
-        f"Trace: `{tuning.source}` ({tuning.span_count} spans). Model: `{model}`. "
-        f"kvtune {__version__}. {_versions_line(tuning)}", "",
+        f"Trace: `{tuning.source}` ({tuning.span_count} spans). Model: `{model.name}` "
+        f"({model.source}). kvtune {__version__}. {_versions_line(tuning)}", "",
         "| setting | value | plausible range |", "|---|---|---|",
         f"| mode | **{m.value}** | {m.range[0]} / {m.range[1]} |",
         f"| kv_recompute_threshold | **{t.value}** {t.unit} | {t.range[0]} .. {t.range[1]} |",
@@ -192,6 +193,9 @@ def _report(tuning: Tuning, model: str, files: dict[str, str]) -> str:
         lines += ["## Findings", ""]
         lines += [f"- **{f.severity}** `{f.code}`: {f.message}" for f in tuning.findings]
         lines.append("")
+    if not model.known:
+        lines += [f"**Model name unknown**: the args files say `{PLACEHOLDER}`; replace it with the "
+                  f"model's name or path, or re-run with `--model NAME`.", ""]
     lines += ["## Apply", "",
               "```sh",
               f'mapfile -t A < {files["prefill_args"]}; vllm serve "${{A[@]}}"   # prefill host',
@@ -213,7 +217,7 @@ def _write_text(d: Path, name: str, text: str) -> None:
 
 
 def write(tuning: Tuning, out_dir: str | os.PathLike[str], *, geometry: Any = None,
-          model: str = "MODEL", prefill_url: str = DEFAULT_PREFILL_URL,
+          model: str | ModelName | None = None, prefill_url: str = DEFAULT_PREFILL_URL,
           decode_url: str = DEFAULT_DECODE_URL, prefill_port: int = 8100, decode_port: int = 8200,
           connector: str = "kvtune", kv_buffer_device: str | None = None,
           side_channel_port: int = DEFAULT_SIDE_CHANNEL_PORT, overwrite: bool = False,
@@ -222,21 +226,27 @@ def write(tuning: Tuning, out_dir: str | os.PathLike[str], *, geometry: Any = No
 
     An existing ``out_dir`` is refused unless ``overwrite`` (then replaced whole). ``_before_commit``
     is a test hook called with the filled temporary directory just before it is renamed.
+    ``model``: the name for ``vllm serve`` (a :class:`~kvtune.export.model.ModelName` says where it
+    came from); None writes the placeholder ``MODEL`` and says so in REPORT.md.
     """
+    if not isinstance(model, ModelName):
+        model = (ModelName(model, "given") if model else
+                 ModelName(PLACEHOLDER, f"unknown: no model name given; replace {PLACEHOLDER} in "
+                                        f"the args files"))
     out = Path(out_dir)
     if out.exists() and not overwrite:
         raise ConfigError(f"export: {out} exists; pass overwrite=True (--force) to replace it")
     out.parent.mkdir(parents=True, exist_ok=True)
     kv = kv_transfer_configs(tuning, connector=connector, kv_buffer_device=kv_buffer_device)
-    args = {"prefill": serve_args(model, kv["prefill"], port=prefill_port, geometry=geometry),
-            "decode": serve_args(model, kv["decode"], port=decode_port, geometry=geometry)}
+    args = {"prefill": serve_args(model.name, kv["prefill"], port=prefill_port, geometry=geometry),
+            "decode": serve_args(model.name, kv["decode"], port=decode_port, geometry=geometry)}
     router = router_config(tuning, prefill_url=prefill_url, decode_url=decode_url,
                            side_channel_port=side_channel_port)
     rec = {
         "kvtune_version": __version__, "convention": sc.CONVENTION_VERSION,
         "generated_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "model": model, "trace_source": tuning.source, "span_count": tuning.span_count,
-        "versions": tuning.extra.get("versions") or {},
+        "model": model.name, "model_source": model.source, "trace_source": tuning.source,
+        "span_count": tuning.span_count, "versions": tuning.extra.get("versions") or {},
         "fit_quality": ({"r2": tuning.fit.r2, "n_transfers": tuning.fit.n_transfers,
                          "n_sizes": tuning.fit.n_sizes, "n_outliers": tuning.fit.n_outliers}
                         if tuning.fit is not None else None),

@@ -16,7 +16,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                                              "or tempo+http://HOST:PORT?...")
     p.add_argument("--out", required=True, help="output directory (must not exist unless --force)")
     p.add_argument("--force", action="store_true", help="replace an existing --out directory")
-    p.add_argument("--model", default="MODEL", help="model name or path for the serve args")
+    p.add_argument("--model", default=None,
+                   help="model name or path for the serve args (default: the spans' kv.model; "
+                        "else the placeholder MODEL, which REPORT.md asks you to replace)")
     p.add_argument("--geometry", default=None, metavar="HF_CONFIG_JSON",
                    help="Hugging Face config.json of the model (KV bytes per token); default: "
                         "kv.bytes / kv.tokens of the traced transfers")

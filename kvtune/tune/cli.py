@@ -18,6 +18,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                                    "the config files.")
     p.add_argument("--traces", default=None, help="OTLP-JSON file/dir/glob or tempo+http://HOST:PORT")
     p.add_argument("--out", default="out/tune", help="output directory (default out/tune)")
+    p.add_argument("--model", default=None,
+                   help="model name or path for `vllm serve` in the exported files (the notebook "
+                        "parameter model_name; default: kv.model from the spans)")
     p.add_argument("-p", "--parameters", nargs=2, action="append", default=[],
                    metavar=("NAME", "VALUE"), help="notebook parameter (papermill style)")
     p.add_argument("-f", "--parameters-file", default=None, help="YAML file of parameters")
@@ -46,7 +49,10 @@ def load_parameters(args: argparse.Namespace) -> dict[str, Any]:
 def run(args: argparse.Namespace) -> int:
     from kvtune.tune.run import run_tune
 
-    result = run_tune(args.traces, args.out, parameters=load_parameters(args),
+    params = load_parameters(args)
+    if args.model:
+        params["model_name"] = args.model
+    result = run_tune(args.traces, args.out, parameters=params,
                       notebooks=[n for n in args.notebooks.split(",") if n])
     print(f"kvtune tune: done in {result.elapsed_s:.0f} s; trace source: {result.source} "
           f"({result.source_kind})")
@@ -56,6 +62,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"  notebooks:       {result.out_dir / 'notebooks'}")
     if result.recommendation_json.exists():
         rec = json.loads(result.recommendation_json.read_text())
+        print(f"  model:           {rec.get('model')} ({rec.get('model_source')})")
         for key in ("kv_recompute_threshold", "decoder_kv_blocks_ttl", "mode"):
             item = rec.get("recommendations", rec).get(key, rec.get(key))
             value = item.get("value") if isinstance(item, dict) else item

@@ -59,7 +59,3 @@ def ttl_curve(tuning: Any, workload: Any, *, points: int = 60) -> dict[str, Any]
     return {"ttls_s": grid.tolist(), "captured": captured, "held_gb": held, "chosen_s": chosen,
             "router_s": tuning.ttl.evidence.get("router_params_ttl_s")}
 
-
-def findings_rows(tuning: Any) -> list[dict[str, str]]:
-    return [{"code": f.code, "severity": f.severity, "message": f.message}
-            for f in tuning.findings]

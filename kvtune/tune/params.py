@@ -25,6 +25,8 @@ PARAMETERS: tuple[Param, ...] = (
     Param("fabric", str, "local", "fabric name shown in figures and recorded in recommendation.json"),
     Param("model", str, "", "geometry: a preset name (e.g. qwen3-32b) or a local HF config.json; "
                             "empty = infer bytes per token from the spans"),
+    Param("model_name", str, "", "model name or path for `vllm serve` in the exported files; "
+                                 "empty = kv.model from the spans (else the placeholder MODEL)"),
     Param("tp_size", int, 1, "tensor-parallel size (bytes per token are per rank)"),
     Param("hbm_budget_gb", float, 1.0, "decode memory you allow for retained KV (GB)"),
     Param("nominal_gbps", float, 0.0, "the link's nominal rate for the efficiency plot (0 = unknown)"),

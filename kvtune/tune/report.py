@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import html
-import json
 from pathlib import Path
 from typing import Any
 
@@ -17,14 +16,32 @@ SECTION_TITLES = {
 
 
 def write_report(path: Path, figures_dir: Path, *, title: str, source: str,
-                 values: dict[str, Any], notebooks: list[str]) -> Path:
-    """Write the report to ``path`` and return it. Figures are read in notebook order."""
+                 values: dict[str, Any], notebooks: list[str],
+                 recommendation: dict[str, Any] | None = None,
+                 configs_dir: Path | None = None) -> Path:
+    """Write the report to ``path`` and return it.
+
+    The top (``kvtune.tune.headline``) comes from ``recommendation`` (``recommendation.json``):
+    the three values, how sure, how to apply, the findings; then the figures, in notebook order.
+    Without a recommendation (the tune notebook did not run) the published values stand in."""
     import plotly.io as pio
     from plotly.offline import get_plotlyjs
 
+    from kvtune.tune import headline
+    from kvtune.tune.findings import FINDINGS_CSS, findings_html
+
     parts = [f"<h1>{html.escape(title)}</h1>",
-             f"<p><b>Trace source:</b> {html.escape(source)}</p>",
-             _values_table(values)]
+             f'<p class="source"><b>Trace source:</b> {html.escape(source)}</p>']
+    if recommendation is not None:
+        rel = headline.configs_relative(path, configs_dir or path.parent / "configs")
+        top = headline.build(recommendation, configs_rel=rel)
+        parts.append(headline.render(top))
+        parts.append(f'<section id="findings"><h2>Findings ({len(top.findings)})</h2>'
+                     f'{findings_html(top.findings)}</section>')
+    else:
+        parts.append('<p class="no-rec"><b>No recommendation</b>: the tune notebook did not run, '
+                     'so there are no values to apply. Values the notebooks published:</p>')
+        parts.append(_values_table(values))
     n_figs = 0
     for name in notebooks:
         figs = (sorted(figures_dir.glob(f"{name}--*.json"), key=lambda p: p.stat().st_mtime_ns)
@@ -41,9 +58,12 @@ def write_report(path: Path, figures_dir: Path, *, title: str, source: str,
     doc = ("<!DOCTYPE html><html><head><meta charset='utf-8'>"
            f"<title>{html.escape(title)}</title>"
            f"<script type='text/javascript'>{get_plotlyjs()}</script>"
-           "<style>body{font-family:sans-serif;margin:2em;max-width:1200px}"
-           "table{border-collapse:collapse}td,th{border:1px solid #ccc;padding:4px 8px}"
-           ".figure{margin:1em 0}</style></head><body>"
+           "<style>body{font-family:sans-serif;margin:1em 2em;max-width:1300px}"
+           "h1{margin:.2em 0;font-size:1.5em}h2{font-size:1.2em;margin:.8em 0 .3em}"
+           "p.source{margin:.2em 0;color:#444;overflow-wrap:anywhere}"
+           "table{border-collapse:collapse}td,th{border:1px solid #ccc;padding:4px 8px;"
+           "text-align:left}.figure{margin:1em 0}"
+           + headline.HEADLINE_CSS + FINDINGS_CSS + "</style></head><body>"
            + "\n".join(parts) + "</body></html>")
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(doc)
@@ -51,15 +71,11 @@ def write_report(path: Path, figures_dir: Path, *, title: str, source: str,
 
 
 def _values_table(values: dict[str, Any]) -> str:
+    from kvtune.tune.findings import value_text
+
     if not values:
         return ""
     rows = "".join(
-        f"<tr><th>{html.escape(str(k))}</th><td>{html.escape(_fmt(v))}</td></tr>"
+        f"<tr><th>{html.escape(str(k))}</th><td>{html.escape(value_text(v))}</td></tr>"
         for k, v in values.items())
-    return f"<table>{rows}</table>"
-
-
-def _fmt(v: Any) -> str:
-    if isinstance(v, (dict, list)):
-        return json.dumps(v)[:400]
-    return str(v)
+    return f'<table class="values">{rows}</table>'

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from kvtune.tune import params as P
+from kvtune.tune.headline import VERIFY_KEY
 from kvtune.tune.notebooks import NOTEBOOKS_DIR, TUNE_NOTEBOOKS, run_notebook
 from kvtune.tune.report import write_report
 
@@ -55,6 +56,8 @@ def run_tune(traces: str | None = None, out_dir: str | Path = "out/tune", *,
         source_desc = made.description
         if made.fabric and checked["fabric"] == "local":
             checked["fabric"] = made.fabric
+        if made.model and not checked["model_name"]:
+            checked["model_name"] = made.model
     else:
         source_desc = checked["traces"]
     figures = out / "figures"
@@ -67,14 +70,17 @@ def run_tune(traces: str | None = None, out_dir: str | Path = "out/tune", *,
                            figures_dir=figures)
         runs[name] = run.output
         values.update(run.values)
+    rec = out / "configs" / "recommendation.json"
+    data = None
+    if rec.exists() and "tune" in notebooks:  # else it is an earlier run's: not this report's
+        data = json.loads(rec.read_text())
+        data["trace_source_kind"] = source_kind
+        # Filled by a verification run (``kvtune verify``, not yet written); the report reads it.
+        data.setdefault(VERIFY_KEY, None)
+        rec.write_text(json.dumps(data, indent=2))
     report = write_report(out / "report.html", figures, title="kvtune tuning report",
                           source=f"{source_desc} ({source_kind})", values=values,
-                          notebooks=list(notebooks))
-    rec = out / "configs" / "recommendation.json"
-    if rec.exists():
-        data = json.loads(rec.read_text())
-        data.setdefault("trace_source_kind", source_kind)
-        data["trace_source_kind"] = source_kind
-        rec.write_text(json.dumps(data, indent=2))
+                          notebooks=list(notebooks), recommendation=data,
+                          configs_dir=rec.parent)
     return TuneResult(out, report, rec, runs, source_desc, source_kind, values,
                       time.monotonic() - t0)

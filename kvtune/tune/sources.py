@@ -61,6 +61,8 @@ class DefaultSpans:
     description: str
     fabric: str | None = None
     details: dict[str, Any] = field(default_factory=dict)
+    model: str | None = None
+    """The model the spans were made with (the tiny model's directory: what `vllm serve` took)."""
 
 
 def make_default_spans(spans_dir: str | Path, *, seed: int = 0, use_vllm: bool = True,
@@ -84,7 +86,7 @@ def make_default_spans(spans_dir: str | Path, *, seed: int = 0, use_vllm: bool =
                                 f"probe (NIXL, 2 processes) + local vLLM pair (bidirectional, kvtune "
                                 f"connectors) through the kvtune router: {stats['requests_ok']} "
                                 f"requests in {stats['conversations']} conversations", fabric,
-                                details)
+                                details, tiny_model_dir())
         except Exception as exc:  # noqa: BLE001 - any failure of the pair falls back to the sim
             log.warning("the local vLLM pair could not produce spans (%s: %s); the simulator "
                         "stands in", type(exc).__name__, exc)
@@ -93,7 +95,14 @@ def make_default_spans(spans_dir: str | Path, *, seed: int = 0, use_vllm: bool =
     details["sim_spans"] = n
     return DefaultSpans(out, "probe+sim",
                         "probe (NIXL, 2 processes) + simulator calibrated with the probe's fit "
-                        "(stand-in for the vLLM pair)", fabric, details)
+                        "(stand-in for the vLLM pair)", fabric, details, tiny_model_dir())
+
+
+def tiny_model_dir() -> str:
+    """Where the local tiny model lives (the name `vllm serve` takes for it)."""
+    from kvtune.local.pair import default_model_dir
+
+    return str(default_model_dir())
 
 
 def tiny_geometry() -> Any:
