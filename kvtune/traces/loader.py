@@ -157,7 +157,7 @@ class _Reader:
             field, expected, got = otlp_json.describe_error(exc)
             if not self.skip_bad:
                 raise TraceFormatError(source, field, expected, line=line, got=got or None) from None
-            doc = self._salvage(data, source, line, f"field {field!r}: expected {expected}, got {got}")
+            doc = self._salvage(data, source, line, _reason(field, expected, got))
             if doc is None:
                 return
         try:
@@ -194,8 +194,7 @@ class _Reader:
                                     otlp_json.describe_error(exc)
                                     if isinstance(exc, msgspec.ValidationError)
                                     else ("$", otlp_json.NESTING_EXPECTED, "deeper"))
-                                first_reason = (f"span {i}: field {field!r}: expected {expected}, "
-                                                f"got {got}")
+                                first_reason = f"span {i}: {_reason(field, expected, got)}"
                             dropped += 1
                     ss["spans"] = good
         try:
@@ -308,6 +307,10 @@ def _read_all(stream: IO[bytes], path: Path, gz: bool) -> tuple[bytes, BaseExcep
             raise TraceSourceError(f"{path}: cannot read: {exc}") from exc
         return b"".join(chunks), exc
     return b"".join(chunks), None
+
+
+def _reason(field: str, expected: str, got: str) -> str:
+    return f"field {field!r}: expected {expected}" + (f", got {got}" if got else "")
 
 
 def _is_json_lines(data: bytes) -> bool:
