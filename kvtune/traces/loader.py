@@ -229,8 +229,8 @@ class _Reader:
                 if cut is None:
                     self._json_file(data, source, src_idx)
                     return
-                # A cut document is lost; JSON lines before the cut are whole and kept.
-                lines = data.splitlines(keepends=True)
+                # JSON lines before the cut are whole and kept; one cut document is lost.
+                lines = data.splitlines(keepends=True) if _is_json_lines(data) else []
                 if lines and not lines[-1].endswith(b"\n"):
                     lines.pop()  # the line the cut went through
                 for lineno, line in enumerate(lines, 1):
