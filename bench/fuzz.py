@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import logging
 import os
 import sys
 import time
@@ -28,6 +29,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.examples < 1:
         parser.error("--examples: expected an integer >= 1")
+    logging.getLogger("kvtune").setLevel(logging.ERROR)  # skipped-record warnings: thousands
     # Read by tests/fuzz_settings.py when the test modules are imported (below).
     os.environ["KVTUNE_FUZZ_EXAMPLES"] = str(args.examples)
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))

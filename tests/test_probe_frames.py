@@ -189,7 +189,7 @@ def test_property_channel_frames_either_decode_or_raise_probe_errors(json_len, b
         if close:
             a.sock.shutdown(socket.SHUT_WR)
         try:
-            frame = b.recv(0.05)
+            frame = b.recv(0.01)
         except ProbeError as exc:  # ChannelClosed and BadMessage are ProbeErrors
             if json_len > MAX_JSON_BYTES or blob_len > MAX_BLOB_BYTES:
                 assert "announces" in str(exc)

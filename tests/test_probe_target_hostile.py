@@ -25,6 +25,7 @@ DEEP = b'{"type":"hello","x":' + b"[" * 100_000 + b"]" * 100_000 + b"}"
 
 _SERVE = """
 import json, sys
+from kvtune.probe.target import ProbeTarget
 target = ProbeTarget("127.0.0.1", 0, max_mem_mb=1, **json.loads(sys.argv[1]))
 print("listening", target.address[1], flush=True)
 target.serve_forever()
