@@ -216,16 +216,67 @@ def _write_text(d: Path, name: str, text: str) -> None:
         os.fsync(f.fileno())
 
 
+EXPORT_MARKER = "recommendation.json"
+"""The file that marks a directory as a previous export (``--force`` replaces only those)."""
+
+
+def _check_replaceable(out: Path, overwrite: bool) -> None:
+    """Refuses to replace anything but a previous export's directory, and that only with
+    ``overwrite``: ``--force`` pointed at a home or source directory by mistake deletes nothing."""
+    if not (out.exists() or out.is_symlink()):
+        return
+    if not overwrite:
+        raise ConfigError(f"export: {out} exists; pass overwrite=True (--force) to replace it")
+    if out.is_symlink() or not out.is_dir():
+        raise ConfigError(f"export: {out} exists and is not a directory (a file or a link); "
+                          f"refusing to replace it even with --force: choose another output")
+    marker = out / EXPORT_MARKER
+    try:
+        rec = json.loads(marker.read_text(encoding="utf-8"))
+    except (OSError, ValueError, RecursionError):
+        rec = None
+    if not (isinstance(rec, dict) and "kvtune_version" in rec):
+        raise ConfigError(f"export: {out} exists and holds no kvtune {EXPORT_MARKER}, so it is not "
+                          f"a previous export; refusing to replace it even with --force: choose "
+                          f"another output directory or empty it yourself")
+
+
+def _swap(new: Path, out: Path, between: Callable[[Path], None] | None) -> None:
+    """Puts ``new`` in the place of the existing ``out``: ``out`` is moved aside first and moved
+    back if ``new`` cannot take its place, so a failure leaves the previous export as it was."""
+    old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
+    kept = old / "dir"
+    os.rename(out, kept)
+    try:
+        if between is not None:
+            between(out)
+        os.rename(new, out)
+    except BaseException as exc:
+        try:
+            os.rename(kept, out)
+        except OSError as back:
+            raise ConfigError(f"export: replacing {out} failed ({exc}) and putting the previous "
+                              f"export back failed too ({back.strerror or back}): it is kept in "
+                              f"{kept}") from exc
+        shutil.rmtree(old, ignore_errors=True)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
+
+
 def write(tuning: Tuning, out_dir: str | os.PathLike[str], *, geometry: Any = None,
           model: str | ModelName | None = None, prefill_url: str = DEFAULT_PREFILL_URL,
           decode_url: str = DEFAULT_DECODE_URL, prefill_port: int = 8100, decode_port: int = 8200,
           connector: str = "kvtune", kv_buffer_device: str | None = None,
           side_channel_port: int = DEFAULT_SIDE_CHANNEL_PORT, overwrite: bool = False,
-          _before_commit: Callable[[Path], None] | None = None) -> Path:
+          _before_commit: Callable[[Path], None] | None = None,
+          _between_renames: Callable[[Path], None] | None = None) -> Path:
     """Write :data:`FILES` into ``out_dir`` atomically (see module doc) and return its path.
 
-    An existing ``out_dir`` is refused unless ``overwrite`` (then replaced whole). ``_before_commit``
-    is a test hook called with the filled temporary directory just before it is renamed.
+    An existing ``out_dir`` is refused unless ``overwrite``, and even then unless it is a directory
+    holding a previous export (its ``recommendation.json``); it is then replaced whole, or, if the
+    replacement fails, left as it was. ``_before_commit`` is a test hook called with the filled
+    temporary directory just before it is renamed; ``_between_renames`` with ``out_dir`` once the
+    previous export is moved aside and before the new one takes its place.
     ``model``: the name for ``vllm serve`` (a :class:`~kvtune.export.model.ModelName` says where it
     came from); None writes the placeholder ``MODEL`` and says so in REPORT.md.
     """
@@ -233,10 +284,12 @@ def write(tuning: Tuning, out_dir: str | os.PathLike[str], *, geometry: Any = No
         model = (ModelName(model, "given") if model else
                  ModelName(PLACEHOLDER, f"unknown: no model name given; replace {PLACEHOLDER} in "
                                         f"the args files"))
-    out = Path(out_dir)
-    if out.exists() and not overwrite:
-        raise ConfigError(f"export: {out} exists; pass overwrite=True (--force) to replace it")
-    out.parent.mkdir(parents=True, exist_ok=True)
+    out = Path(os.path.abspath(out_dir))  # `--out .` names the directory, not ""
+    _check_replaceable(out, overwrite)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"export: cannot create {out.parent}: {exc.strerror or exc}") from None
     kv = kv_transfer_configs(tuning, connector=connector, kv_buffer_device=kv_buffer_device)
     args = {"prefill": serve_args(model.name, kv["prefill"], port=prefill_port, geometry=geometry),
             "decode": serve_args(model.name, kv["decode"], port=decode_port, geometry=geometry)}
@@ -257,7 +310,10 @@ def write(tuning: Tuning, out_dir: str | os.PathLike[str], *, geometry: Any = No
         **tuning.as_dict(),
         "files": list(FILES),
     }
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    except OSError as exc:
+        raise ConfigError(f"export: cannot write in {out.parent}: {exc.strerror or exc}") from None
     try:
         _write_text(tmp, FILES[0], json.dumps(kv["prefill"], indent=2, sort_keys=True) + "\n")
         _write_text(tmp, FILES[1], json.dumps(kv["decode"], indent=2, sort_keys=True) + "\n")
@@ -270,14 +326,13 @@ def write(tuning: Tuning, out_dir: str | os.PathLike[str], *, geometry: Any = No
         os.chmod(tmp, 0o755)
         if _before_commit is not None:
             _before_commit(tmp)
-        if out.exists():
-            old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
-            os.rename(out, old / "dir")
-            os.rename(tmp, out)
-            shutil.rmtree(old, ignore_errors=True)
+        if out.exists() or out.is_symlink():
+            _swap(tmp, out, _between_renames)
         else:
             os.rename(tmp, out)
-    except BaseException:
+    except BaseException as exc:
         shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(exc, OSError):
+            raise ConfigError(f"export: cannot write {out}: {exc.strerror or exc}") from exc
         raise
-    return out
+    return Path(out_dir)

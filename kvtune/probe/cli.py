@@ -13,7 +13,7 @@ from kvtune.geometry import PRESETS, from_hf_config, preset
 from kvtune.probe.agent import DEFAULT_BACKEND
 from kvtune.probe.initiator import DEFAULT_XFER_TIMEOUT_S
 from kvtune.probe.sweep import DEFAULT_MAX_MEM_MB
-from kvtune.probe.target import DEFAULT_PORT, DEFAULT_TARGET_MAX_MEM_MB
+from kvtune.probe.target import DEFAULT_PORT, DEFAULT_TARGET_MAX_MEM_MB, SESSION_MAX_S
 
 
 def register(subparsers) -> None:
@@ -63,6 +63,9 @@ def register(subparsers) -> None:
     s.add_argument("--spans", type=Path, metavar="DIR", help="write this side's spans here")
     s.add_argument("--spans-file", type=Path, help=argparse.SUPPRESS)
     s.add_argument("--max-sessions", type=int, default=None, help="exit after N initiators")
+    s.add_argument("--session-max-s", type=float, default=SESSION_MAX_S,
+                   help="end any session after this many seconds (one initiator at a time: no "
+                        "peer may hold the target for ever)")
     s.set_defaults(func=serve)
 
     c = sub.add_parser("check", help="NIXL/UCX readiness: plugins, backends, transports actually used")
@@ -120,7 +123,7 @@ def serve(args: argparse.Namespace) -> int:
     _quiet_nixl(args)
     serve_target(args.bind, args.port, backend=args.backend, max_mem_mb=args.max_mem_mb,
                  fabric=args.fabric, spans_file=args.spans_file or args.spans,
-                 max_sessions=args.max_sessions)
+                 max_sessions=args.max_sessions, session_max_s=args.session_max_s)
     return 0
 
 

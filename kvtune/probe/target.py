@@ -20,10 +20,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
-
 from kvtune.errors import ProbeError
-from kvtune.probe import tracing
+from kvtune.probe import commands, tracing
 from kvtune.probe.agent import (
     DEFAULT_BACKEND,
     RegisteredBuffer,
@@ -31,7 +29,7 @@ from kvtune.probe.agent import (
     make_agent,
     nixl_version,
 )
-from kvtune.probe.channel import PROTOCOL_VERSION, Channel, ChannelClosed
+from kvtune.probe.channel import PROTOCOL_VERSION, BadMessage, Channel, ChannelClosed
 
 logger = logging.getLogger(__name__)
 
@@ -49,9 +47,13 @@ MAX_PENDING_NOTIFS = 4096
 SESSION_IDLE_TIMEOUT_S = 600.0
 """A session with no command and no notification for this long is closed (initiator gone)."""
 COMMAND_TIMEOUT_S = 30.0
+"""Time for a whole command frame to arrive once its first byte did (one deadline per frame, so a
+peer sending a byte now and then cannot stretch it)."""
 HELLO_TIMEOUT_S = 120.0
-"""How long a new connection may stay silent before its hello (NIXL metadata) arrives."""
-"""Time to read the rest of a frame once its first byte arrived."""
+"""Time for a new connection's whole hello frame (with the NIXL metadata) to arrive."""
+SESSION_MAX_S = 3600.0
+"""A session ends after this long whatever it does: the target serves one initiator at a time, so
+no peer may hold it for ever (a full default sweep takes minutes; ``serve --session-max-s``)."""
 SPAWN_READY_TIMEOUT_S = 180.0
 """How long to wait for a spawned local target to report its port."""
 
@@ -61,7 +63,18 @@ class ProbeTarget:
 
     def __init__(self, bind: str = "127.0.0.1", port: int = DEFAULT_PORT, *,
                  backend: str = DEFAULT_BACKEND, max_mem_mb: int = DEFAULT_TARGET_MAX_MEM_MB,
-                 fabric: str = "", tracer=None) -> None:
+                 fabric: str = "", tracer=None, hello_timeout_s: float = HELLO_TIMEOUT_S,
+                 command_timeout_s: float = COMMAND_TIMEOUT_S,
+                 idle_timeout_s: float = SESSION_IDLE_TIMEOUT_S,
+                 session_max_s: float = SESSION_MAX_S) -> None:
+        for name, value in (("hello_timeout_s", hello_timeout_s),
+                            ("command_timeout_s", command_timeout_s),
+                            ("idle_timeout_s", idle_timeout_s), ("session_max_s", session_max_s)):
+            if not 0 < value < float("inf"):
+                raise ProbeError(f"probe target: {name}: expected a finite number of seconds > 0, "
+                                 f"got {value!r}")
+        self.hello_timeout_s, self.command_timeout_s = hello_timeout_s, command_timeout_s
+        self.idle_timeout_s, self.session_max_s = idle_timeout_s, session_max_s
         self.backend = backend
         self.max_bytes = int(max_mem_mb) << 20
         self.fabric = fabric
@@ -111,8 +124,15 @@ class ProbeTarget:
                 served += 1
                 try:
                     self.serve_session(ch)
-                except ProbeError as exc:
+                except ChannelClosed as exc:
                     logger.warning("kvtune probe target: session with %s ended: %s", peer, exc)
+                except Exception as exc:  # one peer's session, whatever it sent, never stops the target
+                    if isinstance(exc, ProbeError):
+                        logger.warning("kvtune probe target: session with %s ended: %s", peer, exc)
+                    else:
+                        logger.warning("kvtune probe target: session with %s failed", peer,
+                                       exc_info=True)
+                    _tell(ch, exc)
                 finally:
                     ch.close()
         finally:
@@ -120,30 +140,33 @@ class ProbeTarget:
         return served
 
     def serve_session(self, ch: Channel) -> None:
-        """One initiator: hello, then commands and notifications until bye/EOF/idle."""
-        hello = ch.recv(HELLO_TIMEOUT_S)
-        if hello.msg["type"] != "hello" or hello.msg.get("version") != PROTOCOL_VERSION:
-            ch.send({"type": "error", "message": f"expected hello version {PROTOCOL_VERSION}, "
-                                                 f"got {str(hello.msg)[:200]}"})
+        """One initiator: hello, then commands and notifications until bye/EOF/idle/the session's
+        deadline. A bad command is answered with an ``error`` frame and the session goes on; a
+        frame that is late, oversized or not a hello ends it (the caller tells the peer why)."""
+        session_end = time.monotonic() + self.session_max_s
+        hello_frame = ch.recv(self.hello_timeout_s, deadline=session_end)
+        try:
+            hello = commands.parse_hello(hello_frame.msg, PROTOCOL_VERSION, self.max_bytes)
+        except ProbeError as exc:
+            ch.send({"type": "error", "message": str(exc)})
             return
-        nbytes = hello.msg.get("nbytes")
-        if not isinstance(nbytes, int) or not 0 < nbytes <= self.max_bytes:
-            ch.send({"type": "error", "message": f"buffer of {nbytes!r} bytes asked; this target "
-                                                 f"allows 1..{self.max_bytes} (serve --max-mem-mb)"})
-            return
+        nbytes = hello.nbytes
         self.sessions += 1
         name = f"{self.name}-{self.sessions}"
         self.agent = make_agent(name, self.backend)
         try:
-            remote = self.agent.add_remote_agent(hello.blob)
+            remote = self.agent.add_remote_agent(hello_frame.blob)
         except Exception as exc:
             ch.send({"type": "error", "message": f"cannot load the initiator's NIXL metadata: {exc}"})
             self.agent = None
             return
         remote_name = remote.decode() if isinstance(remote, bytes) else str(remote)
-        buf = RegisteredBuffer.allocate(self.agent, nbytes)
-        info = tracing.SpanContextInfo(name, remote_name, self.backend,
-                                       str(hello.msg.get("fabric") or self.fabric))
+        try:
+            buf = RegisteredBuffer.allocate(self.agent, nbytes)
+        except BaseException:
+            self._forget(remote_name)
+            raise
+        info = tracing.SpanContextInfo(name, remote_name, self.backend, hello.fabric or self.fabric)
         notifs_before = self.notifs_received
         try:
             ch.send({"type": "ready", "version": PROTOCOL_VERSION, "agent": name,
@@ -151,30 +174,42 @@ class ProbeTarget:
                      "host": socket.gethostname()}, self.agent.get_agent_metadata())
             last_activity = time.monotonic()
             while True:
+                if time.monotonic() >= session_end:
+                    logger.warning("kvtune probe target: session with %s reached %.0f s; closing",
+                                   remote_name, self.session_max_s)
+                    ch.send({"type": "error", "message": f"session ended after "
+                             f"{self.session_max_s:g} s (this target's serve --session-max-s)"})
+                    return
                 ready, _, _ = select.select([ch.sock], [], [], POLL_INTERVAL_S)
                 if self._drain_notifs(info):
                     last_activity = time.monotonic()
                 if ready:
                     last_activity = time.monotonic()
                     try:
-                        frame = ch.recv(COMMAND_TIMEOUT_S)
+                        frame = ch.recv(self.command_timeout_s, deadline=session_end)
                     except ChannelClosed:
                         logger.info("kvtune probe target: initiator %s went away", remote_name)
                         return
-                    if not self._command(ch, frame.msg, buf, info, notifs_before):
+                    except BadMessage as exc:  # framing intact: answer and read on
+                        ch.send({"type": "error", "message": str(exc)})
+                        continue
+                    if not self._command(ch, frame.msg, buf, info, notifs_before, session_end):
                         return
-                elif time.monotonic() - last_activity > SESSION_IDLE_TIMEOUT_S:
+                elif time.monotonic() - last_activity > self.idle_timeout_s:
                     logger.warning("kvtune probe target: initiator %s idle for %.0f s; closing",
-                                   remote_name, SESSION_IDLE_TIMEOUT_S)
+                                   remote_name, self.idle_timeout_s)
                     return
         finally:
             self._emit_pending(info)
             buf.release()
-            try:
-                self.agent.remove_remote_agent(remote_name)
-            except Exception:
-                logger.debug("remove_remote_agent(%s) failed", remote_name, exc_info=True)
-            self.agent = None  # its progress thread ends with it
+            self._forget(remote_name)
+
+    def _forget(self, remote_name: str) -> None:
+        try:
+            self.agent.remove_remote_agent(remote_name)
+        except Exception:
+            logger.debug("remove_remote_agent(%s) failed", remote_name, exc_info=True)
+        self.agent = None  # its progress thread ends with it
 
     def _drain_notifs(self, info: tracing.SpanContextInfo) -> int:
         """Take new notifications (stamping their arrival); their spans are made once the
@@ -208,42 +243,40 @@ class ProbeTarget:
                 tracing.emit_notify(self.tracer, info, notif, received_ns)
 
     def _command(self, ch: Channel, msg: dict, buf: RegisteredBuffer, info: tracing.SpanContextInfo,
-                 notifs_before: int) -> bool:
-        kind = msg["type"]
-        if kind == "bye":
-            ch.send({"type": "bye"})
-            return False
+                 notifs_before: int, session_end: float) -> bool:
+        """Answers one command (an ``error`` frame for a bad one); False once the session ends."""
         try:
-            if kind == "ping":
-                ch.send({"type": "pong"})
-            elif kind in ("fill", "digest"):
-                ranges = _ranges(msg.get("ranges"), buf.nbytes)
-                if kind == "fill":
-                    buf.fill(int(msg.get("seed", 0)), ranges)
-                    ch.send({"type": "ok"})
-                else:
-                    ch.send({"type": "digest", "sha256": buf.digest(ranges)})
-            elif kind == "stats":
-                # Wait (bounded) until the notifications the initiator expects have arrived.
-                expect = int(msg.get("expect", 0))
-                deadline = time.monotonic() + float(msg.get("timeout_s", 5.0))
-                while self.notifs_received - notifs_before < expect and time.monotonic() < deadline:
-                    self._drain_notifs(info)
-                    time.sleep(POLL_INTERVAL_S)
-                self._emit_pending(info)
-                ch.send({"type": "stats", "notifs": self.notifs_received - notifs_before})
-            else:
-                ch.send({"type": "error", "message": f"unknown command {kind!r}"})
+            cmd = commands.parse_command(msg, buf.nbytes)
         except ProbeError as exc:
             ch.send({"type": "error", "message": str(exc)})
+            return True
+        if cmd.kind == "bye":
+            ch.send({"type": "bye"})
+            return False
+        if cmd.kind == "ping":
+            ch.send({"type": "pong"})
+        elif cmd.kind == "fill":
+            buf.fill(cmd.seed, cmd.ranges)
+            ch.send({"type": "ok"})
+        elif cmd.kind == "digest":
+            ch.send({"type": "digest", "sha256": buf.digest(cmd.ranges)})
+        else:  # stats: wait (bounded) until the notifications the initiator expects have arrived
+            deadline = min(time.monotonic() + cmd.timeout_s, session_end)
+            while self.notifs_received - notifs_before < cmd.expect and time.monotonic() < deadline:
+                self._drain_notifs(info)
+                time.sleep(POLL_INTERVAL_S)
+            self._emit_pending(info)
+            ch.send({"type": "stats", "notifs": self.notifs_received - notifs_before})
         return True
 
 
-def _ranges(raw: object, nbytes: int) -> np.ndarray:
-    arr = np.asarray(raw if raw is not None else [], dtype=np.int64).reshape(-1, 2)
-    if len(arr) and ((arr < 0).any() or (arr[:, 0] + arr[:, 1] > nbytes).any()):
-        raise ProbeError(f"ranges: expected (offset, length) pairs inside the {nbytes}-byte buffer")
-    return arr
+def _tell(ch: Channel, exc: BaseException) -> None:
+    """Tells the peer why its session ended (best effort: it may be gone or not reading)."""
+    text = str(exc) if isinstance(exc, ProbeError) else f"target error: {type(exc).__name__}: {exc}"
+    try:
+        ch.send({"type": "error", "message": text[:2000]})
+    except ProbeError:
+        pass
 
 
 # --- a target in a child process (the default: both sides on this host) -------------------------
@@ -335,7 +368,7 @@ def spawn_local_target(*, backend: str = DEFAULT_BACKEND, max_mem_mb: int = DEFA
 def serve(bind: str = "127.0.0.1", port: int = DEFAULT_PORT, *, backend: str = DEFAULT_BACKEND,
           max_mem_mb: int = DEFAULT_TARGET_MAX_MEM_MB, fabric: str = "",
           spans_file: str | Path | None = None, max_sessions: int | None = None,
-          announce=None) -> int:
+          session_max_s: float = SESSION_MAX_S, announce=None) -> int:
     """Run a probe target until interrupted (or ``max_sessions`` sessions); ``announce`` gets the
     ``READY_PREFIX HOST:PORT`` line once it listens. Spans go to ``spans_file`` (a JSON-lines file
     or a directory) when given, and where the ``OTEL_*``/``KVTUNE_SPANS_DIR`` variables say.
@@ -350,7 +383,7 @@ def serve(bind: str = "127.0.0.1", port: int = DEFAULT_PORT, *, backend: str = D
         except Exception:  # telemetry never stops the probe
             logger.warning("kvtune probe target: span output unavailable", exc_info=True)
     target = ProbeTarget(bind, port, backend=backend, max_mem_mb=max_mem_mb, fabric=fabric,
-                         tracer=tracer)
+                         tracer=tracer, session_max_s=session_max_s)
     host, bound_port = target.address
     (announce or _announce)(f"{READY_PREFIX}{host}:{bound_port}")
     try:

@@ -100,6 +100,9 @@ class SpanRows:
         self._block_rows: list[int] = []  # first row of each decoded document
         self._block_where: list[tuple[int, int | None]] = []  # (source index, line)
         self.skipped: list[Skipped] = []
+        self.bad_values: list[tuple[int, str, str]] = []
+        """(row, field, what was expected) of values found bad while appending (reported, or
+        their rows dropped under ``skip_bad``, when the frame is built)."""
 
     def __len__(self) -> int:
         return len(self.trace_id)
@@ -131,8 +134,14 @@ class SpanRows:
         attrs_append = self.attrs.append
         for rs in resource_spans:
             res = rs.resource
-            rattrs = ({intern(kv.key): any_value(kv.value) for kv in res.attributes}
-                      if res is not None else {})
+            bad_resource: tuple[str, str] | None = None
+            rattrs = {}
+            for kv in (res.attributes if res is not None else ()):
+                try:
+                    rattrs[intern(kv.key)] = any_value(kv.value)
+                except otlp_json.ValueNestingError as exc:
+                    rattrs[intern(kv.key)] = None
+                    bad_resource = bad_resource or (f"resource.attributes[{kv.key}]", str(exc))
             service = rattrs.get(spans.SERVICE_NAME)
             service = "" if service is None else str(service)
             host = rattrs.get(spans.HOST_NAME)
@@ -152,6 +161,8 @@ class SpanRows:
                 self.service.extend([service] * k)
                 self.host.extend([host] * k)
                 self.resource.extend([rattrs] * k)
+                if bad_resource is not None:
+                    self.bad_values.extend((r, *bad_resource) for r in range(row, row + k))
                 for s in sl:
                     d: dict[str, Any] = {}
                     for kv in s.attributes:
@@ -174,7 +185,13 @@ class SpanRows:
                                 if val is None:
                                     val = v.bool_value
                                     if val is None:
-                                        val = any_value(v)
+                                        try:
+                                            val = any_value(v)
+                                        except otlp_json.ValueNestingError as exc:
+                                            self.bad_values.append(
+                                                (row, f"attributes[{kv.key}]", str(exc)))
+                                            d[key] = None
+                                            continue
                         d[key] = val
                         if add_row is not None and val is not None:
                             add_row(row)
@@ -206,6 +223,9 @@ class SpanRows:
                 raise TraceFormatError(src, field, expected, line=line, got=got)
             bad.setdefault(row, f"field {field!r}: expected {expected}, got {got!r}"[:300])
 
+        for row, field, expected in self.bad_values:
+            fail(row, field, expected, "deeper")
+        self.bad_values = []
         # Each list is released as soon as its column is built, to keep the peak memory low.
         self._key_info = {}  # holds the attribute lists' append methods (and so the lists)
         data: dict[str, Any] = {}

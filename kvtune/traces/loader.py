@@ -1,11 +1,13 @@
 """``load(source)``: spans from OTLP-JSON lines files, Collector file-exporter output or Tempo."""
 from __future__ import annotations
 
+import fnmatch
 import gc
 import glob
 import gzip
 import logging
 import os
+import zlib
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import IO, Union
@@ -29,16 +31,33 @@ FILE_PATTERNS = ("*.jsonl*", "*.json*")
 gzip (detected by content), including rotated names such as ``spans.jsonl.1``."""
 _GLOB_CHARS = set("*?[")
 _GZIP_MAGIC = b"\x1f\x8b"
+_READ_CHUNK_BYTES = 1 << 16
 
 
 def resolve(source: SourceArg) -> list[Path | TempoSource]:
-    """The files and Tempo sources ``source`` names, in order (globs sorted, directories recursed)."""
+    """The files and Tempo sources ``source`` names, in order (globs sorted, directories recursed).
+
+    A file reached under several names (symbolic links, a glob through a link loop, the same file
+    listed twice) is read once, under the first name it was found by.
+    """
     items: Iterable[Source]
     if isinstance(source, (str, os.PathLike, TempoSource)):
         items = [source]
     else:
         items = source
     out: list[Path | TempoSource] = []
+    seen: set[tuple[int, int]] = set()
+
+    def add_file(p: Path) -> None:
+        try:
+            st = p.stat()
+        except OSError:  # vanished or a dangling link: nothing to read
+            return
+        key = (st.st_dev, st.st_ino)
+        if key not in seen:
+            seen.add(key)
+            out.append(p)
+
     for item in items:
         if isinstance(item, TempoSource):
             out.append(item)
@@ -55,18 +74,74 @@ def resolve(source: SourceArg) -> list[Path | TempoSource]:
             found = sorted({p for pat in FILE_PATTERNS for p in path.rglob(pat) if p.is_file()})
             if not found:
                 raise TraceSourceError(f"{path}: directory holds no {', '.join(FILE_PATTERNS)} files")
-            out.extend(found)
+            for p in found:
+                add_file(p)
         elif path.is_file():
-            out.append(path)
+            add_file(path)
         elif _GLOB_CHARS & set(text):
-            found = sorted(Path(p) for p in glob.glob(os.path.expanduser(text), recursive=True)
-                           if os.path.isfile(p))
+            found = sorted(Path(p) for p in _glob_files(os.path.expanduser(text)))
             if not found:
                 raise TraceSourceError(f"{text}: glob matches no files")
-            out.extend(found)
+            for p in found:
+                add_file(p)
         else:
             raise TraceSourceError(f"{text}: no such file or directory")
     return out
+
+
+def _glob_files(pattern: str) -> list[str]:
+    """Files matching ``pattern`` (``glob`` syntax, ``**`` for any number of directories).
+
+    ``glob.glob`` follows directory links under ``**`` without noticing loops (a link to ``..``
+    repeats every file ~40 times; two such links make the walk exponential), so ``**`` patterns
+    are matched here over a walk that enters each real directory once.
+    """
+    parts = pattern.split(os.sep)
+    if "**" not in parts:
+        return [p for p in glob.glob(pattern) if os.path.isfile(p)]
+    first_glob = next(i for i, part in enumerate(parts) if _GLOB_CHARS & set(part))
+    base = os.sep.join(parts[:first_glob]) or (os.sep if pattern.startswith(os.sep) else "")
+    rest = parts[first_glob:]
+    found: list[str] = []
+    seen_dirs: set[tuple[int, int]] = set()
+    for dirpath, dirnames, filenames in os.walk(base or os.curdir, followlinks=True):
+        try:
+            st = os.stat(dirpath)
+        except OSError:
+            dirnames[:] = []
+            continue
+        if (st.st_dev, st.st_ino) in seen_dirs:
+            dirnames[:] = []
+            continue
+        seen_dirs.add((st.st_dev, st.st_ino))
+        rel = os.path.relpath(dirpath, base or os.curdir)
+        rel_parts = [] if rel == os.curdir else rel.split(os.sep)
+        for name in filenames:
+            if _glob_match(rest, [*rel_parts, name]):
+                found.append(os.path.join(dirpath, name) if base else
+                             os.path.join(*rel_parts, name))
+    return found
+
+
+def _glob_match(pattern: list[str], parts: list[str]) -> bool:
+    """Whether path components ``parts`` match glob components ``pattern`` (as ``glob`` does:
+    wildcards do not match a leading ``.``; ``**`` matches zero or more directories)."""
+    if not pattern:
+        return not parts
+    head = pattern[0]
+    if head == "**":
+        for k in range(len(parts)):
+            if _glob_match(pattern[1:], parts[k:]):
+                return True
+            if parts[k].startswith("."):
+                return False
+        return _glob_match(pattern[1:], [])
+    if not parts:
+        return False
+    name = parts[0]
+    if name.startswith(".") and not head.startswith(".") and _GLOB_CHARS & set(head):
+        return False
+    return fnmatch.fnmatchcase(name, head) and _glob_match(pattern[1:], parts[1:])
 
 
 class _Reader:
@@ -77,12 +152,12 @@ class _Reader:
 
     def document(self, data: bytes, source: str, src_idx: int, line: int | None) -> None:
         try:
-            doc = otlp_json.DECODER.decode(data)
+            doc = otlp_json.decode(data)
         except msgspec.MsgspecError as exc:
             field, expected, got = otlp_json.describe_error(exc)
             if not self.skip_bad:
                 raise TraceFormatError(source, field, expected, line=line, got=got or None) from None
-            doc = self._salvage(data, source, line, f"field {field!r}: expected {expected}, got {got}")
+            doc = self._salvage(data, source, line, _reason(field, expected, got))
             if doc is None:
                 return
         try:
@@ -96,7 +171,7 @@ class _Reader:
                  reason: str) -> otlp_json.TraceDocument | None:
         """Keeps the good spans of a document with bad ones; records what was dropped."""
         try:
-            raw = msgspec.json.decode(data)
+            raw = otlp_json.decode_untyped(data)
         except msgspec.DecodeError:
             self.rows.skipped.append(Skipped(source, line, reason))
             return None
@@ -113,16 +188,18 @@ class _Reader:
                         try:
                             msgspec.convert(sp, otlp_json.Span, strict=False)
                             good.append(sp)
-                        except msgspec.ValidationError as exc:
+                        except (msgspec.ValidationError, RecursionError) as exc:
                             if not dropped:
-                                field, expected, got = otlp_json.describe_error(exc)
-                                first_reason = (f"span {i}: field {field!r}: expected {expected}, "
-                                                f"got {got}")
+                                field, expected, got = (
+                                    otlp_json.describe_error(exc)
+                                    if isinstance(exc, msgspec.ValidationError)
+                                    else ("$", otlp_json.NESTING_EXPECTED, "deeper"))
+                                first_reason = f"span {i}: {_reason(field, expected, got)}"
                             dropped += 1
                     ss["spans"] = good
         try:
             doc = msgspec.convert(raw, otlp_json.TraceDocument, strict=False)
-        except msgspec.ValidationError:
+        except (msgspec.ValidationError, RecursionError):
             self.rows.skipped.append(Skipped(source, line, reason))
             return None
         if dropped:
@@ -139,30 +216,55 @@ class _Reader:
         except OSError as exc:
             raise TraceSourceError(f"{path}: cannot open: {exc}") from exc
         with raw:
-            magic = raw.read(2)
-            raw.seek(0)
-            stream: IO[bytes] = gzip.GzipFile(fileobj=raw, mode="rb") if magic == _GZIP_MAGIC else raw
             try:
-                if whole_doc:
-                    data = stream.read()
-                    bar.update(raw.tell())
+                magic = raw.read(2)
+                raw.seek(0)
+            except OSError as exc:
+                raise TraceSourceError(f"{path}: cannot read: {exc}") from exc
+            gz = magic == _GZIP_MAGIC
+            stream: IO[bytes] = gzip.GzipFile(fileobj=raw, mode="rb") if gz else raw
+            if whole_doc:
+                data, cut = _read_all(stream, path, gz)
+                bar.update(raw.tell())
+                if cut is None:
                     self._json_file(data, source, src_idx)
                     return
-                last = 0
-                for lineno, line in enumerate(stream, 1):
+                # JSON lines before the cut are whole and kept; one cut document is lost.
+                lines = data.splitlines(keepends=True) if _is_json_lines(data) else []
+                if lines and not lines[-1].endswith(b"\n"):
+                    lines.pop()  # the line the cut went through
+                for lineno, line in enumerate(lines, 1):
+                    if line.strip():
+                        self.document(line, source, src_idx, lineno)
+                self._truncated(source, len(lines) + 1, cut)
+                return
+            last = 0
+            lineno = 0
+            try:
+                for lineno, line in enumerate(stream, 1):  # a cut stream raises before its partial line
                     if line.strip():
                         self.document(line, source, src_idx, lineno)
                     pos = raw.tell()
                     if pos != last:
                         bar.update(pos - last)
                         last = pos
-            except (OSError, EOFError, gzip.BadGzipFile) as exc:
-                raise TraceSourceError(f"{path}: cannot read: {exc}") from exc
+            except _GZIP_ERRORS as exc:
+                if not gz:
+                    raise TraceSourceError(f"{path}: cannot read: {exc}") from exc
+                self._truncated(source, lineno + 1, exc)
+
+    def _truncated(self, source: str, line: int, cut: BaseException) -> None:
+        """Records a gzip file that ends early (a rotation cut short, a copy in progress): the
+        whole lines before the cut were read; line ``line`` and anything after it are lost."""
+        reason = (f"gzip stream ends early or is corrupt ({type(cut).__name__}: {cut}); "
+                  f"lines before {line} kept, the rest lost")
+        _logger.warning("%s:%d: %s", source, line, reason)
+        self.rows.skipped.append(Skipped(source, line, reason))
 
     def _json_file(self, data: bytes, source: str, src_idx: int) -> None:
         """A ``.json`` file: one (possibly pretty-printed) document, else JSON lines."""
         try:
-            doc = otlp_json.DECODER.decode(data)
+            doc = otlp_json.decode(data)
         except msgspec.ValidationError:
             if not _is_json_lines(data):  # one document with a shape error: report it
                 self.document(data, source, src_idx, None)
@@ -189,6 +291,28 @@ class _Reader:
             bar.update(len(body))
 
 
+_GZIP_ERRORS = (OSError, EOFError, zlib.error)
+"""What reading a cut or corrupt gzip stream raises (``gzip.BadGzipFile`` is an ``OSError``)."""
+
+
+def _read_all(stream: IO[bytes], path: Path, gz: bool) -> tuple[bytes, BaseException | None]:
+    """Everything ``stream`` yields, and the error that cut a gzip stream short (None if whole)."""
+    chunks: list[bytes] = []
+    try:
+        # read1: a cut stream loses at most the one piece being decompressed when it fails
+        while chunk := stream.read1(_READ_CHUNK_BYTES):
+            chunks.append(chunk)
+    except _GZIP_ERRORS as exc:
+        if not gz:
+            raise TraceSourceError(f"{path}: cannot read: {exc}") from exc
+        return b"".join(chunks), exc
+    return b"".join(chunks), None
+
+
+def _reason(field: str, expected: str, got: str) -> str:
+    return f"field {field!r}: expected {expected}" + (f", got {got}" if got else "")
+
+
 def _is_json_lines(data: bytes) -> bool:
     """Whether ``data`` has several lines and its first line is a JSON document on its own."""
     stripped = data.strip()
@@ -196,7 +320,7 @@ def _is_json_lines(data: bytes) -> bool:
         return False
     first = stripped.split(b"\n", 1)[0]
     try:
-        msgspec.json.decode(first)
+        otlp_json.decode_untyped(first)
     except msgspec.DecodeError:
         return False
     return True

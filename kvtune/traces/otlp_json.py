@@ -11,10 +11,18 @@ Int64 fields may be JSON strings or numbers (lax decoding); enums may be numbers
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
-from msgspec import UNSET, Struct, UnsetType
+from msgspec import UNSET, Meta, Struct, UnsetType
+
+INT64_MAX = 2**63 - 1
+UnixNano = Annotated[int, Meta(ge=0, le=INT64_MAX)]
+"""A span timestamp: OTLP's ``fixed64`` nanoseconds, limited to what the frame's int64 columns hold
+(values at or above 2**63, year 2262 on, are reported as bad records, not wrapped or overflowed)."""
+MAX_VALUE_DEPTH = 32
+"""Deepest nesting of ``arrayValue``/``kvlistValue`` inside one attribute value that is read
+(OTLP attributes nest one or two levels); deeper values are bad records, not a ``RecursionError``."""
 
 
 class ArrayValue(Struct, rename="camel", gc=False):
@@ -49,8 +57,8 @@ class Span(Struct, rename="camel", gc=False):
     trace_id: str
     span_id: str
     name: str
-    start_time_unix_nano: int
-    end_time_unix_nano: int
+    start_time_unix_nano: UnixNano
+    end_time_unix_nano: UnixNano
     parent_span_id: str | None = ""
     attributes: list[KeyValue] = []
     status: Status | None = None
@@ -95,7 +103,33 @@ DOCUMENT_EXPECTED = ("an OTLP ExportTraceServiceRequest ({\"resourceSpans\": [..
                      "trace ({\"batches\": [...]} or {\"trace\": {\"resourceSpans\": [...]}})")
 
 DECODER = msgspec.json.Decoder(TraceDocument, strict=False)
-"""Decodes one document (bytes) into a :class:`TraceDocument`."""
+"""Decodes one document (bytes) into a :class:`TraceDocument` (:func:`decode` bounds its nesting)."""
+NESTING_EXPECTED = "JSON nested no deeper than the decoder's recursion limit"
+
+
+class NestingTooDeep(msgspec.DecodeError):
+    """A document nests deeper than the decoder can follow (Python's recursion limit)."""
+
+
+def decode(data: bytes) -> TraceDocument:
+    """One document; ``msgspec.DecodeError``/``ValidationError`` when malformed,
+    :class:`NestingTooDeep` (a ``DecodeError``) instead of ``RecursionError`` when nested too deep."""
+    try:
+        return DECODER.decode(data)
+    except RecursionError:
+        raise NestingTooDeep("nested too deeply to decode") from None
+
+
+def decode_untyped(data: bytes) -> Any:
+    """``data`` as plain Python objects, with the same errors as :func:`decode`."""
+    try:
+        return msgspec.json.decode(data)
+    except RecursionError:
+        raise NestingTooDeep("nested too deeply to decode") from None
+
+
+class ValueNestingError(ValueError):
+    """An attribute value nests arrays/kvlists deeper than :data:`MAX_VALUE_DEPTH`."""
 
 _AT = re.compile(r"^(?P<msg>.*?)(?: - at `(?P<path>[^`]*)`)?$", re.S)
 _MISSING = re.compile(r"Object missing required field `(?P<field>[^`]+)`")
@@ -104,6 +138,8 @@ _MISSING = re.compile(r"Object missing required field `(?P<field>[^`]+)`")
 def describe_error(exc: msgspec.MsgspecError) -> tuple[str, str, str]:
     """(field path, what was expected, what was found) from a msgspec decode/validation error."""
     text = str(exc)
+    if isinstance(exc, NestingTooDeep):
+        return "(json)", NESTING_EXPECTED, "deeper"
     if isinstance(exc, msgspec.DecodeError) and not isinstance(exc, msgspec.ValidationError):
         return "(json)", "valid JSON", text
     m = _AT.match(text)
@@ -117,8 +153,9 @@ def describe_error(exc: msgspec.MsgspecError) -> tuple[str, str, str]:
     return path, msg, ""
 
 
-def any_value(v: AnyValue | None) -> Any:
-    """An ``AnyValue`` as a Python value (arrays as lists, kvlists as dicts, bytes as base64 str)."""
+def any_value(v: AnyValue | None, depth: int = 0) -> Any:
+    """An ``AnyValue`` as a Python value (arrays as lists, kvlists as dicts, bytes as base64 str);
+    :class:`ValueNestingError` when arrays/kvlists nest deeper than :data:`MAX_VALUE_DEPTH`."""
     if v is None:
         return None
     if v.string_value is not None:
@@ -129,10 +166,12 @@ def any_value(v: AnyValue | None) -> Any:
         return v.double_value
     if v.bool_value is not None:
         return v.bool_value
-    if v.array_value is not None:
-        return [any_value(e) for e in v.array_value.values]
-    if v.kvlist_value is not None:
-        return {kv.key: any_value(kv.value) for kv in v.kvlist_value.values}
+    if v.array_value is not None or v.kvlist_value is not None:
+        if depth >= MAX_VALUE_DEPTH:
+            raise ValueNestingError(f"arrays/kvlists nested at most {MAX_VALUE_DEPTH} levels")
+        if v.array_value is not None:
+            return [any_value(e, depth + 1) for e in v.array_value.values]
+        return {kv.key: any_value(kv.value, depth + 1) for kv in v.kvlist_value.values}
     return v.bytes_value
 
 
