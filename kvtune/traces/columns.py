@@ -100,6 +100,8 @@ class SpanRows:
         self._block_rows: list[int] = []  # first row of each decoded document
         self._block_where: list[tuple[int, int | None]] = []  # (source index, line)
         self.skipped: list[Skipped] = []
+        self.tempo_reads: list[Any] = []
+        """One ``kvtune.traces.tempo.TempoRead`` per Tempo source read."""
 
     def __len__(self) -> int:
         return len(self.trace_id)
