@@ -298,6 +298,7 @@ class TempoSource:
             with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:  # noqa: S310
                 body = resp.read(max_bytes + 1)
                 status = resp.status
+                missing = resp.length if len(body) <= max_bytes else None
         except urllib.error.HTTPError as exc:
             try:
                 return exc.code, exc.read(64 * 1024) or b""
@@ -311,6 +312,9 @@ class TempoSource:
         if len(body) > max_bytes:
             raise TraceSourceError(f"{url}: answer larger than {max_bytes} bytes; narrow the "
                                    f"query or the range")
+        if missing:  # read(n) returns what came before the connection closed, without raising
+            raise TraceSourceError(f"{url}: Tempo's answer was cut off: {len(body)} of "
+                                   f"{len(body) + missing} bytes arrived")
         return status, body
 
     def _search_once(self, start: int, end: int, limit: int) -> tuple[int, bytes, str]:
