@@ -47,4 +47,9 @@ if [[ $TEST == 1 && $(id -u) == 0 ]] && command -v apt-get >/dev/null; then
       >/dev/null) || echo "kvtune setup: could not install ${want[*]}; their tests will be skipped" >&2
   fi
 fi
+# Grafana's own TraceQL grammar (npm), which `make test` checks every dashboard query against.
+if [[ $TEST == 1 ]]; then
+  command -v npm >/dev/null || { echo "kvtune setup: npm is needed for the TraceQL grammar test" >&2; exit 1; }
+  npm install --prefix .venv/lezer --no-audit --no-fund --silent --save-exact "@grafana/lezer-traceql@1.0.0"
+fi
 touch "$stamp"

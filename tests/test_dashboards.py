@@ -156,7 +156,16 @@ def test_phase_panels_cover_every_phase_with_quantiles_by_name_and_mode():
         assert [str(f) for f in m.by] == ["name", f"span.{spans.MODE}"]
         assert str(m.field) == "duration" and p["fieldConfig"]["defaults"]["unit"] == "s"
         assert t["metricsQueryType"] == "range"
-    assert covered == {p.value for p in spans.PHASES}
+    assert covered == {p.value for p in gen.TIMED_PHASES}
+    # instants (zero duration) have no quantiles on Tempo: their panels count spans
+    instants = {}
+    for p, t, q in _parsed_queries(d):
+        m = q.metrics
+        if m is not None and m.function == "count_over_time" and len(q.span_names()) == 1:
+            instants[next(iter(q.span_names()))] = [str(f) for f in m.by]
+    for phase in gen.INSTANT_PHASES:
+        assert instants[phase.value] == [f"span.{spans.MODE}", "status"]
+    assert set(gen.TIMED_PHASES) | set(gen.INSTANT_PHASES) == set(spans.PHASES)
 
 
 def test_volume_reuse_and_retention_panels():
@@ -191,7 +200,7 @@ def test_export_writes_every_dashboard_and_sets_the_datasource_variable(tmp_path
     paths = export_dashboards(tmp_path / "out")
     assert sorted(p.name for p in paths) == sorted(gen.dashboards())
     plain = json.loads(paths[0].read_text())
-    assert variable(plain, gen.DS_VARIABLE)["current"] == {}
+    assert variable(plain, gen.DS_VARIABLE).get("current", {}) == {}  # none chosen
     paths = export_dashboards(tmp_path / "uid", datasource_uid="my-tempo_1")
     d = json.loads(paths[0].read_text())
     assert variable(d, gen.DS_VARIABLE)["current"]["value"] == "my-tempo_1"
@@ -238,7 +247,9 @@ def test_make_dashboards_script_check_mode():
 
 
 LEZER_ENV = "KVTUNE_LEZER_TRACEQL_DIR"
-"""A directory with ``node_modules/@grafana/lezer-traceql`` (``npm install @grafana/lezer-traceql@1.0.0``)."""
+"""A directory with ``node_modules/@grafana/lezer-traceql``; default ``.venv/lezer``, where
+``scripts/setup.sh --test`` (``make test``) installs it."""
+LEZER_DEFAULT = ROOT / ".venv" / "lezer"
 _LEZER_SCRIPT = """
 import { parser } from '@grafana/lezer-traceql';
 import fs from 'fs';
@@ -251,24 +262,36 @@ console.log(JSON.stringify(out));
 """
 
 
-def test_queries_also_pass_grafanas_own_traceql_grammar(tmp_path):
-    """Independent check with the grammar Grafana's query editor uses (skipped unless installed)."""
+def lezer_errors(queries: list[str]) -> list[list[int]]:
+    """Error positions per query from Grafana's TraceQL grammar (``@grafana/lezer-traceql``, the
+    parser of Grafana's query editor). Fails, saying how to install it, when it is missing."""
     import os
     import shutil
     import subprocess
-    base = os.environ.get(LEZER_ENV)
+    base = Path(os.environ.get(LEZER_ENV) or LEZER_DEFAULT)
     node = shutil.which("node")
-    if not base or not node or not (Path(base) / "node_modules" / "@grafana" / "lezer-traceql").is_dir():
-        pytest.skip(f"set {LEZER_ENV} to a directory where @grafana/lezer-traceql is installed")
-    d = committed()["kv-transfer.json"]
-    queries = [str(parse(interpolate(t["query"], gen.DEFAULT_VARIABLE_VALUES, all_values=gen.ALL_VALUES)).text)
-               for p, t in targets(d) if p["type"] != "traces"]
-    queries.append('{ name = "kv.rdma" ')  # the check itself can fail
-    script = Path(base) / "kvtune_lezer_check.mjs"
+    if not node or not (base / "node_modules" / "@grafana" / "lezer-traceql").is_dir():
+        pytest.fail(f"@grafana/lezer-traceql is not installed under {base} (or node is missing): "
+                    f"run scripts/setup.sh --test, or set {LEZER_ENV}")
+    script = base / "kvtune_lezer_check.mjs"
     script.write_text(_LEZER_SCRIPT, encoding="utf-8")
-    out = subprocess.run([node, str(script)], input=json.dumps(queries), capture_output=True, text=True,
-                         cwd=base, timeout=60, check=True)
-    errors = json.loads(out.stdout)
-    assert errors[-1], "lezer accepted a malformed query: the check is broken"
-    bad = {q: e for q, e in zip(queries[:-1], errors[:-1]) if e}
+    out = subprocess.run([node, str(script)], input=json.dumps(queries), capture_output=True,
+                         text=True, cwd=base, timeout=60, check=True)
+    return json.loads(out.stdout)
+
+
+def test_queries_pass_grafanas_own_traceql_grammar():
+    """Every panel query, as sent with the variables' defaults and with selected values, parses
+    without error in the grammar Grafana's editor uses; a malformed query proves the check bites."""
+    d = committed()["kv-transfer.json"]
+    queries = []
+    for values in (gen.DEFAULT_VARIABLE_VALUES,
+                   {**gen.DEFAULT_VARIABLE_VALUES, "service": ["kvtune-prefill", "kvtune.decode"],
+                    "mode": ["push"], "conversation": "conv-1", "min_duration": "5ms"}):
+        queries += [str(parse(interpolate(t["query"], values, all_values=gen.ALL_VALUES)).text)
+                    for p, t in targets(d) if p["type"] != "traces"]
+    bad_queries = ['{ name = "kv.rdma" ', '{ } | quantile_over_time(duration, ) by (']
+    errors = lezer_errors(queries + bad_queries)
+    assert all(errors[len(queries):]), "lezer accepted a malformed query: the check is broken"
+    bad = {q: e for q, e in zip(queries, errors) if e}
     assert not bad, f"Grafana's grammar rejects: {bad}"

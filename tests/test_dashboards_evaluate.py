@@ -109,6 +109,28 @@ def test_rate_count_sum_avg_min_max_with_buckets(small):
         assert dict(zip(r["span.kv.mode"], r["value"]))["pull"] == pull
 
 
+def test_quantiles_skip_zero_duration_spans_as_tempo_does():
+    """Tempo 2.10's quantile_over_time(duration) buckets by powers of two and skips spans under 2 ns
+    (recorded from a real Tempo: kv.notify instants give no series while count_over_time does)."""
+    spans_ = frame(
+        rec(NOTIFY, 0, 0, **{sc.MODE: "pull"}),            # instant: skipped
+        rec(NOTIFY, 10, 0.000001, **{sc.MODE: "pull"}),    # 1 ns: skipped too
+        rec(NOTIFY, 20, 0, **{sc.MODE: "push"}),
+        rec(NOTIFY, 30, 5, **{sc.MODE: "push"}),           # a real extent counts
+        rec(RDMA, 0, 0, **{sc.MODE: "pull", sc.BYTES: 1}),   # bytes under 2: skipped as well
+        rec(RDMA, 5, 0, **{sc.MODE: "pull", sc.BYTES: 4096}),
+    )
+    q = evaluate('{ name = "kv.notify" } | quantile_over_time(duration, .5) by (span.kv.mode)', spans_)
+    assert q["span.kv.mode"].tolist() == ["push"] and q["value"].tolist() == pytest.approx([0.005])
+    counts = evaluate('{ name = "kv.notify" } | count_over_time() by (span.kv.mode)', spans_)
+    assert dict(zip(counts["span.kv.mode"], counts["value"])) == {"pull": 2.0, "push": 2.0}
+    b = evaluate('{ name = "kv.rdma" } | quantile_over_time(span.kv.bytes, 1)', spans_)
+    assert b["value"].tolist() == [4096.0]
+    # other aggregates keep instants (Tempo's simple aggregators read zero as a value)
+    mx = evaluate('{ name = "kv.notify" } | max_over_time(duration) by (span.kv.mode)', spans_)
+    assert dict(zip(mx["span.kv.mode"], mx["value"])) == pytest.approx({"pull": 1e-9, "push": 0.005})
+
+
 def test_missing_by_label_groups_under_nil(small):
     r = evaluate("{ } | count_over_time() by (span.kv.turn)", small)
     assert dict(zip(r["span.kv.turn"], r["value"])) == {"2": 1.0, "nil": 5.0}
@@ -229,7 +251,28 @@ def test_every_phase_panel_returns_rows_on_loaded_spans(produced):
         assert set(r["name"]) == {phase}
         assert set(r["p"]) == {"0.5", "0.9", "0.99"} and (r["value"] > 0).all()
         seen.add(phase)
-    assert seen == {ph.value for ph in sc.PHASES}
+    assert seen == {ph.value for ph in gen.TIMED_PHASES}
+
+
+EXAMPLE_SPANS = sorted((ROOT / "examples" / "stalls").glob("*-default/spans"))
+"""Spans of real vLLM pairs (push, pull, bidirectional) on this machine, as the connectors wrote them:
+their kv.notify spans are instants, unlike the simulator's."""
+
+
+def test_every_panel_returns_rows_on_real_connector_spans():
+    """The panels on what real connectors emit (zero-duration kv.notify), with Tempo's rule for
+    zero durations: no panel may be empty (the old Notify latency panel was, on a real Tempo)."""
+    assert len(EXAMPLE_SPANS) == 3
+    real = traces.load([str(p) for p in EXAMPLE_SPANS], correct_clocks=False)
+    notify = real[real["name"] == NOTIFY]
+    assert len(notify) and (notify["end_ns"] == notify["start_ns"]).all()
+    result = check_panels(real)
+    assert result.empty_phases == ()
+    assert {p.phase for p in result.panels if p.phase} == {ph.value for ph in sc.PHASES}
+    assert all(p.rows > 0 for p in result.panels), result.table()
+    old_notify = gen.phase_latency_query(sc.SpanName.NOTIFY)
+    assert evaluate(old_notify, real, variables=gen.DEFAULT_VARIABLE_VALUES,
+                    all_values=gen.ALL_VALUES).empty
 
 
 def test_every_panel_returns_rows_on_loaded_spans(produced):
@@ -306,8 +349,10 @@ def test_probe_phase_panels_return_rows(tmp_path):
     seen = set()
     for p, query in _queries(_dashboard()):
         q = parse(interpolate(query, gen.DEFAULT_VARIABLE_VALUES, all_values=gen.ALL_VALUES))
-        if q.metrics and q.metrics.function == "quantile_over_time" and q.span_names() <= probe_phases \
-                and len(q.span_names()) == 1:
+        instant = q.span_names() <= {ph.value for ph in gen.INSTANT_PHASES}
+        if q.metrics and (q.metrics.function == "quantile_over_time"
+                          or (instant and q.metrics.function == "count_over_time")) \
+                and q.span_names() <= probe_phases and len(q.span_names()) == 1:
             r = evaluate(q, loaded)
             assert len(r) > 0 and set(r[f"span.{sc.MODE}"]) == {sc.Mode.PROBE.value}, p["title"]
             seen |= q.span_names()

@@ -7,6 +7,7 @@ ids, ``/api/v2/traces/<id>`` in the ``trace.resourceSpans`` shape) and records e
 from __future__ import annotations
 
 import threading
+import time
 import urllib.parse
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -17,6 +18,7 @@ import pytest
 from kvtune import spans
 from kvtune.errors import TraceSourceError
 from kvtune.traces import TempoSource, load
+from kvtune.traces.tempo import DEFAULT_SINCE_S
 
 FIXTURES = Path(__file__).parent / "fixtures" / "traces"
 T1 = "0af7651916cd43dd8448eb211c80319c"  # served by v1 only (base64 ids inside)
@@ -92,17 +94,52 @@ def test_tempo_source_object_with_v1_api(tempo: str) -> None:
     src = TempoSource(f"http://{tempo}", query="{}", limit=5, api="v1")
     with pytest.raises(TraceSourceError, match="HTTP 404"):
         load(src)  # T2 exists only on v2 in the stand-in
-    assert StandInTempo.requests[0][1] == {"q": ["{}"], "limit": ["5"]}
+    params = StandInTempo.requests[0][1]
+    # no range given: the last hour, sent explicitly (Tempo alone would read only its ingesters)
+    assert params["q"] == ["{}"] and params["limit"] == ["5"]
+    assert int(params["end"][0]) - int(params["start"][0]) == DEFAULT_SINCE_S
+    assert abs(int(params["end"][0]) - time.time()) < 120
 
 
 def test_tempo_defaults_and_url_parsing() -> None:
     src = TempoSource.from_url("tempo+https://tempo.example:3200/prefix/?q=%7B%7D")
     assert src.base_url == "https://tempo.example:3200/prefix"
     assert src.query == "{}" and src.start_s is None and src.end_s is None and src.api == "auto"
+    assert src.time_range(now_s=1_800_000_000.2) == (1_800_000_002 - 3600, 1_800_000_002,
+                                                     f"default: last {DEFAULT_SINCE_S} s")
+    since = TempoSource.from_url("tempo+http://h:1?since=1h30m")
+    assert since.since_s == 5400 and since.time_range(now_s=10_000)[:2] == (10_001 - 5400, 10_001)
+    assert TempoSource.from_url("tempo+http://h:1?since=90").since_s == 90
+    assert TempoSource.from_url("tempo+http://h:1?since=2d").since_s == 2 * 86400
+    ended = TempoSource.from_url("tempo+http://h:1?end=5000&since=100")
+    assert ended.time_range(now_s=9e9)[:2] == (4900, 5000)
+    started = TempoSource.from_url("tempo+http://h:1?start=5000")
+    assert started.time_range(now_s=6000) == (5000, 6001, "start..now")
     with pytest.raises(TraceSourceError, match="start"):
         TempoSource.from_url("tempo+http://h:1?start=yesterday")
     with pytest.raises(TraceSourceError, match="api"):
         TempoSource("http://h:1", api="v9")
+
+
+@pytest.mark.parametrize("query, field", [
+    ("limit=inf", "limit"), ("limit=nan", "limit"), ("limit=-inf", "limit"), ("limit=0", "limit"),
+    ("limit=-3", "limit"), ("limit=1e400", "limit"), ("start=inf", "start"), ("end=nan", "end"),
+    ("start=-1", "start"), ("end=1e30", "end"), ("since=inf", "since"), ("since=0", "since"),
+    ("since=soon", "since"), ("since=-5m", "since"), ("since=1h&start=5", "start or since"),
+    ("start=10&end=10", "end"), ("start=10&end=5", "end"), ("since=1y", "since"),
+])
+def test_bad_url_parameters_name_the_url_and_the_parameter(query, field):
+    url = f"tempo+http://h:1?q=%7B%7D&{query}"
+    with pytest.raises(TraceSourceError) as info:
+        TempoSource.from_url(url)
+    assert str(info.value).startswith(url) and field in str(info.value)
+
+
+def test_bad_source_fields_are_source_errors():
+    for kw in ({"limit": 0}, {"limit": 2.5}, {"limit": True}, {"start_s": -1}, {"end_s": 2**70},
+               {"since_s": 0}, {"timeout_s": float("inf")}, {"start_s": 5, "since_s": 5}):
+        with pytest.raises(TraceSourceError):
+            TempoSource("http://h:1", **kw)
 
 
 def test_tempo_errors(tempo: str) -> None:

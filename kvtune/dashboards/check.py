@@ -13,9 +13,12 @@ from typing import Any
 import pandas as pd
 
 from kvtune.dashboards.evaluate import evaluate
-from kvtune.dashboards.generator import ALL_VALUES, DEFAULT_VARIABLE_VALUES, dashboards
+from kvtune.dashboards.generator import ALL_VALUES, DEFAULT_VARIABLE_VALUES, INSTANT_PHASES, dashboards
 from kvtune.dashboards.templating import interpolate
 from kvtune.dashboards.traceql import parse
+
+
+INSTANT_PHASE_NAMES = frozenset(p.value for p in INSTANT_PHASES)
 
 
 @dataclass(frozen=True)
@@ -68,7 +71,9 @@ def check_panels(spans: pd.DataFrame, *, variables: Mapping[str, str | Sequence[
                 names = query.span_names()
                 metrics = query.metrics
                 phase = (next(iter(names)) if metrics is not None and len(names) == 1
-                         and metrics.function == "quantile_over_time" else None)
+                         and (metrics.function == "quantile_over_time"
+                              or (metrics.function == "count_over_time"
+                                  and names <= INSTANT_PHASE_NAMES)) else None)
                 rows = len(evaluate(query, spans))
                 title = interpolate(panel["title"], values, all_values=ALL_VALUES)
                 out.append(PanelCheck(name, title, query.text, rows, phase))

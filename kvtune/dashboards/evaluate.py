@@ -24,13 +24,15 @@ Results:
   as written), ``p`` for ``quantile_over_time``, then ``time_s`` (bucket start, s since epoch) and
   ``value``. Spans fall in buckets by start time; ``rate`` is per second of bucket. Quantiles are
   exact (numpy's linear interpolation); Tempo approximates them from log2 histograms, so values
-  differ slightly, series and labels do not.
+  differ slightly, series and labels do not. Like Tempo, ``quantile_over_time`` skips values
+  under 2 (zero-duration spans: see :data:`HISTOGRAM_MIN`), so a series of instants is absent.
 """
 from __future__ import annotations
 
 import math
 import re
 from collections.abc import Callable, Mapping, Sequence
+from typing import Final
 
 import numpy as np
 import pandas as pd
@@ -264,6 +266,8 @@ def _metrics(m: MetricsAggregate, matched: pd.DataFrame, frame: pd.DataFrame,
     bucket = ((matched["start_ns"].astype("int64") - start_all) // width_ns).to_numpy()
     data = {lab: [_label_value(v) for v in _values(f, matched)] for lab, f in zip(labels, m.by)}
     values = _values(m.field, matched) if m.field is not None else [1.0] * len(matched)
+    if m.function == "quantile_over_time" and m.field is not None:
+        values = _histogram_values(m.field, matched, values)
     work = pd.DataFrame({**data, "_bucket": bucket,
                          "_v": [float(v) if isinstance(v, (int, float)) and not isinstance(v, bool)
                                 else np.nan for v in values]})
@@ -295,6 +299,24 @@ def _metrics(m: MetricsAggregate, matched: pd.DataFrame, frame: pd.DataFrame,
             value = float(vals.max())
         rows.append({**base, "time_s": time_s, "value": value})
     return pd.DataFrame(rows, columns=columns)
+
+
+HISTOGRAM_MIN: Final = 2
+"""Tempo's ``quantile_over_time`` puts each value in a power-of-two bucket and skips values under 2
+(ns for ``duration``, the number itself for integer attributes): a series of zero-duration spans
+(instants such as ``kv.notify``) has no samples, and so no series."""
+
+
+def _histogram_values(f: Field, matched: pd.DataFrame, values: list[object]) -> list[object]:
+    """``values`` with what Tempo's quantile histogram skips set to None: durations under
+    :data:`HISTOGRAM_MIN` ns, integers under it, and every non-integer attribute value (Tempo
+    2.10 buckets only durations and integers)."""
+    if isinstance(f, Intrinsic) and f.name == "duration":
+        ns = _values(f, matched, for_compare=True)
+        return [v if isinstance(n, float) and n >= HISTOGRAM_MIN else None
+                for v, n in zip(values, ns)]
+    return [v if isinstance(v, int) and not isinstance(v, bool) and v >= HISTOGRAM_MIN else None
+            for v in values]
 
 
 def _label_value(v: object) -> str:

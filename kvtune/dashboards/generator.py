@@ -1,10 +1,8 @@
-"""Dashboards as code: builds kvtune's Grafana dashboards (Tempo datasource) as plain dicts.
-
-Plain dicts rather than ``grafana-foundation-sdk``: the dashboards need the Tempo query fields
-(``queryType``, ``metricsQueryType``, ``tableType``, ``spss``) and a trace panel driven by a
-variable, which are easy to state exactly as JSON, and the toolkit gains no dependency. Every span
-and attribute name comes from :mod:`kvtune.spans`; the datasource is the variable ``${DS_TEMPO}``,
-never a uid. ``scripts/make_dashboards.py`` writes the result to ``dashboards/``; a test asserts the
+"""Dashboards as code: builds kvtune's Grafana dashboards (Tempo datasource) with Grafana's own
+``grafana-foundation-sdk`` (its Grafana 11.6 schema: ``TempoQuery`` with ``queryType``,
+``metricsQueryType``, ``tableType`` and ``spss``), returned as the JSON dicts Grafana loads. Every
+span and attribute name comes from :mod:`kvtune.spans`; the datasource is the variable
+``${DS_TEMPO}``, never a uid. ``scripts/make_dashboards.py`` writes the result to ``dashboards/``; a test asserts the
 committed JSON equals what this module produces.
 """
 from __future__ import annotations
@@ -12,15 +10,23 @@ from __future__ import annotations
 import json
 from typing import Any, Final
 
+from grafana_foundation_sdk.builders import common as common_builders
+from grafana_foundation_sdk.builders import dashboard as sdk_dashboard
+from grafana_foundation_sdk.builders import table, timeseries
+from grafana_foundation_sdk.builders import tempo as tempo_builders
+from grafana_foundation_sdk.cog.encoder import JSONEncoder
+from grafana_foundation_sdk.models import common
+from grafana_foundation_sdk.models import tempo as tempo_models
+from grafana_foundation_sdk.models.dashboard import (
+    DashboardCursorSync, DataSourceRef, VariableOption, VariableRefresh, VariableSort,
+)
+
 from kvtune import spans
 from kvtune.spans import SpanName
 
 DS_VARIABLE: Final = "DS_TEMPO"
 """Name of the datasource variable every panel and query uses."""
 DATASOURCE: Final = {"type": "tempo", "uid": "${" + DS_VARIABLE + "}"}
-SCHEMA_VERSION: Final = 39
-"""Dashboard schema version (Grafana 10.4/11); newer Grafana migrates it on load. TraceQL metrics
-need Grafana >= 10.4."""
 ALL_REGEX: Final = ".*"
 """Custom "All" value of the multi-value variables: they are used as regexes (``=~``)."""
 SLOWEST_LIMIT: Final = 50
@@ -42,9 +48,16 @@ PHASE_TITLES: Final = {
     SpanName.RENDEZVOUS: "Rendezvous (registration vs prefill done, push)",
     SpanName.DESCRIPTOR_SETUP: "Descriptor setup",
     SpanName.RDMA: "RDMA (post → completion)",
-    SpanName.NOTIFY: "Notify (completion seen by target)",
+    SpanName.NOTIFY: "Notify (completions seen by the target, per interval)",
     SpanName.DECODE_START: "Decode start (KV ready → first decode step)",
 }
+INSTANT_PHASES: Final = (SpanName.NOTIFY,)
+"""Phases the connectors record as instants (start = end: the moment the target sees the
+completion). Tempo's ``quantile_over_time(duration)`` skips spans shorter than 2 ns (its log2
+histogram has no bucket for them), so a latency panel would stay empty: these panels count the
+spans instead. The delay itself is kvtune's ``notify_ms`` (target's notify - initiator's RDMA end)."""
+TIMED_PHASES: Final = tuple(p for p in spans.PHASES if p not in INSTANT_PHASES)
+"""Phases with an extent: their panels show duration quantiles."""
 
 # --- query fragments (names from kvtune.spans only) ---------------------------------------------
 
@@ -88,9 +101,15 @@ def phase_latency_query(phase: SpanName) -> str:
             + f" | quantile_over_time(duration, {QUANTILES}) by (name, {span_attr(spans.MODE)})")
 
 
+def phase_count_query(phase: SpanName) -> str:
+    """Spans of an instant phase per interval, by mode and status (errors show apart)."""
+    return (spanset(_name_is(phase), SERVICE_FILTER, MODE_FILTER)
+            + f" | count_over_time() by ({span_attr(spans.MODE)}, status)")
+
+
 def phases_overview_query() -> str:
-    """p90 of every phase by span name: the "where does the time go" overview."""
-    any_phase = "(" + " || ".join(_name_is(p) for p in spans.PHASES) + ")"
+    """p90 of every timed phase by span name: the "where does the time go" overview."""
+    any_phase = "(" + " || ".join(_name_is(p) for p in TIMED_PHASES) + ")"
     return spanset(any_phase, SERVICE_FILTER, MODE_FILTER) + " | quantile_over_time(duration, 0.9) by (name)"
 
 
@@ -136,116 +155,102 @@ def conversation_transfers_query() -> str:
 TRACE_QUERY: Final = "${traceID}"
 """The trace panel's query: a bare trace id makes Grafana's Tempo datasource fetch that trace."""
 
-# --- dashboard building blocks ------------------------------------------------------------------
+# --- dashboard building blocks (grafana-foundation-sdk) -----------------------------------------
 
 
-class _Layout:
-    """Assigns panel ids and grid positions top to bottom (Grafana's grid is 24 wide)."""
-
-    def __init__(self) -> None:
-        self.next_id = 1
-        self.y = 0
-        self.x = 0
-        self.row_h = 0
-
-    def place(self, w: int, h: int) -> dict[str, int]:
-        if self.x + w > 24:
-            self.newline()
-        pos = {"h": h, "w": w, "x": self.x, "y": self.y}
-        self.x += w
-        self.row_h = max(self.row_h, h)
-        return pos
-
-    def newline(self) -> None:
-        if self.x:
-            self.y += self.row_h
-        self.x, self.row_h = 0, 0
-
-    def take_id(self) -> int:
-        i = self.next_id
-        self.next_id += 1
-        return i
+def _ds() -> DataSourceRef:
+    return DataSourceRef(type_val="tempo", uid="${" + DS_VARIABLE + "}")
 
 
-def _target(query: str, *, ref: str = "A", metrics: bool = False, table_type: str | None = None,
-            limit: int | None = None, spss: int | None = None) -> dict[str, Any]:
-    t: dict[str, Any] = {"datasource": dict(DATASOURCE), "refId": ref, "queryType": "traceql",
-                         "query": query, "filters": []}
+def _target(query: str, *, ref: str = "A", metrics: bool = False,
+            table_type: tempo_models.SearchTableType | None = None, limit: int | None = None,
+            spss: int | None = None) -> tempo_builders.TempoQuery:
+    t = (tempo_builders.TempoQuery().datasource(_ds()).ref_id(ref)
+         .query_type(tempo_models.TempoQueryType.TRACEQL.value).query(query))
     if metrics:
-        t["metricsQueryType"] = "range"
+        t = t.metrics_query_type(tempo_models.MetricsQueryType.RANGE)
     if table_type is not None:
-        t["tableType"] = table_type
+        t = t.table_type(table_type)
     if limit is not None:
-        t["limit"] = limit
+        t = t.limit(limit)
     if spss is not None:
-        t["spss"] = spss
+        t = t.spss(spss)
     return t
 
 
-def _row(layout: _Layout, title: str) -> dict[str, Any]:
-    layout.newline()
-    panel = {"type": "row", "id": layout.take_id(), "title": title, "collapsed": False, "panels": [],
-             "gridPos": {"h": 1, "w": 24, "x": 0, "y": layout.y}}
-    layout.y += 1
+class _Ids:
+    """Panel ids in the order panels are added."""
+
+    def __init__(self) -> None:
+        self.next_id = 0
+
+    def __call__(self) -> int:
+        self.next_id += 1
+        return self.next_id
+
+
+def _row(ids: _Ids, title: str) -> sdk_dashboard.Row:
+    return sdk_dashboard.Row(title).id(ids()).collapsed(False)
+
+
+def _timeseries(ids: _Ids, title: str, description: str, query: str, *, unit: str,
+                w: int = 8, h: int = 8, bars: bool = False) -> timeseries.Panel:
+    panel = (timeseries.Panel().id(ids()).title(title).description(description).datasource(_ds())
+             .span(w).height(h).with_target(_target(query, metrics=True)).unit(unit)
+             .draw_style(common.GraphDrawStyle.BARS if bars else common.GraphDrawStyle.LINE)
+             .line_width(1).fill_opacity(80 if bars else 10)
+             .show_points(common.VisibilityMode.AUTO).span_nulls(False)
+             .legend(common_builders.VizLegendOptions()
+                     .display_mode(common.LegendDisplayMode.TABLE)
+                     .placement(common.LegendPlacement.BOTTOM).show_legend(True)
+                     .calcs(["lastNotNull", "max"]))
+             .tooltip(common_builders.VizTooltipOptions().mode(common.TooltipDisplayMode.MULTI)
+                      .sort(common.SortOrder.DESCENDING)))
+    if bars:
+        panel = panel.stacking(common_builders.StackingConfig().mode(common.StackingMode.NORMAL)
+                               .group("A"))
     return panel
 
 
-def _timeseries(layout: _Layout, title: str, description: str, query: str, *, unit: str,
-                w: int = 8, h: int = 8, bars: bool = False) -> dict[str, Any]:
-    custom: dict[str, Any] = {"drawStyle": "bars" if bars else "line", "lineWidth": 1,
-                              "fillOpacity": 80 if bars else 10, "showPoints": "auto",
-                              "spanNulls": False}
-    if bars:
-        custom["stacking"] = {"mode": "normal", "group": "A"}
-    return {
-        "type": "timeseries", "id": layout.take_id(), "title": title, "description": description,
-        "datasource": dict(DATASOURCE), "gridPos": layout.place(w, h),
-        "targets": [_target(query, metrics=True)],
-        "fieldConfig": {"defaults": {"unit": unit, "custom": custom}, "overrides": []},
-        "options": {"legend": {"displayMode": "table", "placement": "bottom", "showLegend": True,
-                               "calcs": ["lastNotNull", "max"]},
-                    "tooltip": {"mode": "multi", "sort": "desc"}},
-    }
-
-
-def _trace_link() -> dict[str, Any]:
+def _trace_link() -> sdk_dashboard.DashboardLink:
     url = ("/d/${__dashboard.uid}?${__url_time_range}&${DS_TEMPO:queryparam}&${service:queryparam}"
            "&${mode:queryparam}&var-traceID=${__data.fields.traceIdHidden}")
-    return {"title": "Show this trace below", "url": url, "targetBlank": False}
+    return sdk_dashboard.DashboardLink("Show this trace below").url(url).target_blank(False)
 
 
-def _variables() -> list[dict[str, Any]]:
-    all_current = {"selected": True, "text": ["All"], "value": ["$__all"]}
+def _all_current() -> VariableOption:
+    return VariableOption(selected=True, text=["All"], value=["$__all"])
+
+
+def _textbox(name: str, label: str, default: str, description: str) -> sdk_dashboard.TextBoxVariable:
+    option = VariableOption(selected=True, text=default, value=default)
+    v = (sdk_dashboard.TextBoxVariable(name).label(label).default_value(default)
+         .current(VariableOption(text=default, value=default))
+         .options([option] if default else []))
+    return v.description(description) if description else v
+
+
+def _variables() -> list[Any]:
     modes = [m.value for m in spans.Mode]
     return [
-        {"name": DS_VARIABLE, "label": "Tempo", "type": "datasource", "query": "tempo", "regex": "",
-         "current": {}, "hide": 0, "includeAll": False, "multi": False, "options": [], "refresh": 1,
-         "skipUrlSync": False},
-        {"name": "service", "label": "Service", "type": "query", "datasource": dict(DATASOURCE),
-         "definition": resource_attr(spans.SERVICE_NAME),
-         "query": {"type": 1, "label": resource_attr(spans.SERVICE_NAME),
-                   "refId": "TempoDatasourceVariableQueryEditor-VariableQuery"},
-         "includeAll": True, "allValue": ALL_REGEX, "multi": True, "current": dict(all_current),
-         "options": [], "refresh": 2, "regex": "", "sort": 1, "hide": 0, "skipUrlSync": False},
-        {"name": "mode", "label": "Mode", "type": "custom", "query": ",".join(modes),
-         "includeAll": True, "allValue": ALL_REGEX, "multi": True, "current": dict(all_current),
-         "options": [{"selected": True, "text": "All", "value": "$__all"}]
-         + [{"selected": False, "text": m, "value": m} for m in modes],
-         "hide": 0, "skipUrlSync": False},
-        {"name": "conversation", "label": "Conversation id (regex)", "type": "textbox",
-         "query": ALL_REGEX, "current": {"text": ALL_REGEX, "value": ALL_REGEX},
-         "options": [{"selected": True, "text": ALL_REGEX, "value": ALL_REGEX}], "hide": 0,
-         "description": "Applies to the reuse/retention panels and the conversation table; spans "
-                        "without a conversation id (probe) never match it.", "skipUrlSync": False},
-        {"name": "min_duration", "label": "Slowest: at least", "type": "textbox",
-         "query": DEFAULT_MIN_DURATION,
-         "current": {"text": DEFAULT_MIN_DURATION, "value": DEFAULT_MIN_DURATION},
-         "options": [{"selected": True, "text": DEFAULT_MIN_DURATION, "value": DEFAULT_MIN_DURATION}],
-         "hide": 0, "description": "TraceQL duration (e.g. 5ms): RDMA spans at least this long.",
-         "skipUrlSync": False},
-        {"name": "traceID", "label": "Trace id", "type": "textbox", "query": "",
-         "current": {"text": "", "value": ""}, "options": [], "hide": 0,
-         "description": "Set by clicking a row of the slowest-transfers table.", "skipUrlSync": False},
+        sdk_dashboard.DatasourceVariable(DS_VARIABLE).label("Tempo").type("tempo").regex("")
+        .multi(False).include_all(False),
+        sdk_dashboard.QueryVariable("service").label("Service").datasource(_ds())
+        .query({"type": 1, "label": resource_attr(spans.SERVICE_NAME),
+                "refId": "TempoDatasourceVariableQueryEditor-VariableQuery"})
+        .include_all(True).all_value(ALL_REGEX).multi(True).current(_all_current())
+        .refresh(VariableRefresh.ON_TIME_RANGE_CHANGED).regex("")
+        .sort(VariableSort.ALPHABETICAL_ASC),
+        sdk_dashboard.CustomVariable("mode").label("Mode").values(",".join(modes))
+        .include_all(True).all_value(ALL_REGEX).multi(True).current(_all_current())
+        .options([VariableOption(selected=True, text="All", value="$__all")]
+                 + [VariableOption(selected=False, text=m, value=m) for m in modes]),
+        _textbox("conversation", "Conversation id (regex)", ALL_REGEX,
+                 "Applies to the reuse/retention panels and the conversation table; spans without "
+                 "a conversation id (probe) never match it."),
+        _textbox("min_duration", "Slowest: at least", DEFAULT_MIN_DURATION,
+                 "TraceQL duration (e.g. 5ms): RDMA spans at least this long."),
+        _textbox("traceID", "Trace id", "", "Set by clicking a row of the slowest-transfers table."),
     ]
 
 
@@ -260,83 +265,73 @@ ALL_VALUES: Final[dict[str, str]] = {"service": ALL_REGEX, "mode": ALL_REGEX}
 
 def kv_transfer_dashboard() -> dict[str, Any]:
     """The "kvtune — KV transfer" dashboard: where each transfer's time goes."""
-    L = _Layout()
-    panels: list[dict[str, Any]] = []
-    panels.append(_row(L, "Where the time goes (per phase)"))
-    panels.append(_timeseries(
-        L, "p90 per phase", "p90 duration of each phase of a KV transfer, side by side.",
+    ids = _Ids()
+    d = (sdk_dashboard.Dashboard("kvtune — KV transfer").uid(KV_TRANSFER_UID)
+         .description("Where each KV transfer's time goes, from kvtune's spans in Tempo "
+                      f"(span convention {spans.CONVENTION_VERSION}).")
+         .tags(["kvtune", "kv-cache", "tempo"]).version(1).editable()
+         .tooltip(DashboardCursorSync.CROSSHAIR).timezone("browser").time("now-1h", "now")
+         .refresh("").variables(_variables()))
+    d = d.with_row(_row(ids, "Where the time goes (per phase)"))
+    d = d.with_panel(_timeseries(
+        ids, "p90 per phase", "p90 duration of each timed phase of a KV transfer, side by side "
+                              "(notify is an instant: see its own panel).",
         phases_overview_query(), unit="s", w=24, h=8))
-    L.newline()
     for phase in spans.PHASES:
-        panels.append(_timeseries(
-            L, PHASE_TITLES[phase],
-            f"p50/p90/p99 of `{phase.value}` spans by span name and mode.",
+        if phase in INSTANT_PHASES:
+            d = d.with_panel(_timeseries(
+                ids, PHASE_TITLES[phase],
+                f"`{phase.value}` spans per interval by mode and status. They are instants (the "
+                f"moment the target sees the completion), so they have no duration to plot; the "
+                f"delay after the initiator's RDMA is kvtune's `notify_ms` (`kvtune analyze`).",
+                phase_count_query(phase), unit="short", bars=True))
+            continue
+        d = d.with_panel(_timeseries(
+            ids, PHASE_TITLES[phase], f"p50/p90/p99 of `{phase.value}` spans by span name and mode.",
             phase_latency_query(phase), unit="s"))
-    panels.append(_row(L, "Volume"))
-    panels.append(_timeseries(
-        L, "Transfers per second by mode and direction",
+    d = d.with_row(_row(ids, "Volume"))
+    d = d.with_panel(_timeseries(
+        ids, "Transfers per second by mode and direction",
         f"Rate of `{SpanName.RDMA.value}` spans (one per KV movement per rank).",
         transfer_rate_query(), unit="ops", w=12))
-    panels.append(_timeseries(
-        L, "Bytes moved by mode and direction",
+    d = d.with_panel(_timeseries(
+        ids, "Bytes moved by mode and direction",
         f"Sum of `{spans.BYTES}` over `{SpanName.RDMA.value}` spans per interval.",
         transfer_bytes_query(), unit="bytes", w=12, bars=True))
-    panels.append(_row(L, "Reuse and retention (bidirectional)"))
-    panels.append(_timeseries(
-        L, "Reuse decisions", f"`{SpanName.REUSE_DECISION.value}` by `{spans.REUSE_OUTCOME}`: "
-                              + ", ".join(o.value for o in spans.ReuseOutcome) + ".",
+    d = d.with_row(_row(ids, "Reuse and retention (bidirectional)"))
+    d = d.with_panel(_timeseries(
+        ids, "Reuse decisions", f"`{SpanName.REUSE_DECISION.value}` by `{spans.REUSE_OUTCOME}`: "
+                                + ", ".join(o.value for o in spans.ReuseOutcome) + ".",
         reuse_decisions_query(), unit="short", w=12, bars=True))
-    panels.append(_timeseries(
-        L, "Retention outcomes", f"`{SpanName.RETENTION.value}` by `{spans.RETENTION_OUTCOME}`: "
-                                 + ", ".join(o.value for o in spans.RetentionOutcome) + ".",
+    d = d.with_panel(_timeseries(
+        ids, "Retention outcomes", f"`{SpanName.RETENTION.value}` by `{spans.RETENTION_OUTCOME}`: "
+                                   + ", ".join(o.value for o in spans.RetentionOutcome) + ".",
         retention_outcomes_query(), unit="short", w=12, bars=True))
-    panels.append(_row(L, "Transfers"))
-    panels.append({
-        "type": "table", "id": L.take_id(), "title": "Slowest transfers",
-        "description": f"`{SpanName.RDMA.value}` spans at least $min_duration long, slowest first. "
-                       "Click a row to show its trace below.",
-        "datasource": dict(DATASOURCE), "gridPos": L.place(24, 10),
-        "targets": [_target(slowest_transfers_query(), table_type="spans", limit=SLOWEST_LIMIT,
-                            spss=SLOWEST_SPANS_PER_TRACE)],
-        "fieldConfig": {"defaults": {"links": [_trace_link()], "custom": {"align": "auto"}},
-                        "overrides": []},
-        "options": {"showHeader": True, "sortBy": [{"displayName": "Duration", "desc": True}],
-                    "footer": {"show": False, "reducer": ["sum"], "fields": ""}},
-    })
-    panels.append({
-        "type": "traces", "id": L.take_id(), "title": "Trace ${traceID}",
-        "description": "The trace picked in the table above (variable traceID).",
-        "datasource": dict(DATASOURCE), "gridPos": L.place(24, 16),
-        "targets": [_target(TRACE_QUERY)],
-    })
-    panels.append(_row(L, "Conversation"))
-    panels.append({
-        "type": "table", "id": L.take_id(), "title": "Transfer phases of conversation $conversation",
-        "description": "Phase spans carrying a conversation id matching the variable.",
-        "datasource": dict(DATASOURCE), "gridPos": L.place(24, 10),
-        "targets": [_target(conversation_transfers_query(), table_type="spans", limit=SLOWEST_LIMIT,
-                            spss=len(spans.PHASES))],
-        "fieldConfig": {"defaults": {"links": [_trace_link()]}, "overrides": []},
-        "options": {"showHeader": True},
-    })
-    return {
-        "uid": KV_TRANSFER_UID,
-        "title": "kvtune — KV transfer",
-        "description": "Where each KV transfer's time goes, from kvtune's spans in Tempo "
-                       f"(span convention {spans.CONVENTION_VERSION}).",
-        "tags": ["kvtune", "kv-cache", "tempo"],
-        "schemaVersion": SCHEMA_VERSION,
-        "version": 1,
-        "editable": True,
-        "graphTooltip": 1,
-        "timezone": "browser",
-        "time": {"from": "now-1h", "to": "now"},
-        "refresh": "",
-        "links": [],
-        "annotations": {"list": []},
-        "templating": {"list": _variables()},
-        "panels": panels,
-    }
+    d = d.with_row(_row(ids, "Transfers"))
+    d = d.with_panel(
+        table.Panel().id(ids()).title("Slowest transfers")
+        .description(f"`{SpanName.RDMA.value}` spans at least $min_duration long, slowest first. "
+                     "Click a row to show its trace below.")
+        .datasource(_ds()).span(24).height(10)
+        .with_target(_target(slowest_transfers_query(), table_type=tempo_models.SearchTableType.SPANS,
+                             limit=SLOWEST_LIMIT, spss=SLOWEST_SPANS_PER_TRACE))
+        .data_links([_trace_link()]).show_header(True)
+        .sort_by([common_builders.TableSortByFieldState().display_name("Duration").desc(True)])
+        .footer(common_builders.TableFooterOptions().show(False).reducer(["sum"]).fields([])))
+    d = d.with_panel(
+        sdk_dashboard.Panel().type("traces").id(ids()).title("Trace ${traceID}")
+        .description("The trace picked in the table above (variable traceID).")
+        .datasource(_ds()).span(24).height(16).with_target(_target(TRACE_QUERY)))
+    d = d.with_row(_row(ids, "Conversation"))
+    d = d.with_panel(
+        table.Panel().id(ids()).title("Transfer phases of conversation $conversation")
+        .description("Phase spans carrying a conversation id matching the variable.")
+        .datasource(_ds()).span(24).height(10)
+        .with_target(_target(conversation_transfers_query(),
+                             table_type=tempo_models.SearchTableType.SPANS, limit=SLOWEST_LIMIT,
+                             spss=len(spans.PHASES)))
+        .data_links([_trace_link()]).show_header(True))
+    return json.loads(JSONEncoder(sort_keys=True).encode(d.build()))
 
 
 def dashboards() -> dict[str, dict[str, Any]]:

@@ -155,6 +155,8 @@ def recommend(spans: pd.DataFrame, *, geometry: Any = None,
                              use_simulator=use_simulator)
     findings += f
     findings += readiness(tr, spans, fit=fit, workload=wl, fabric=fabric)
+    # What each Tempo source read (range, traces, spans) and whether its search was cut short.
+    findings += [Finding(**f) for r in spans.attrs.get("tempo_reads", ()) for f in r.findings()]
     extra = {
         "workload": wl.as_dict(), "prefill_cost": pc.as_dict(), "n_transfers": int(len(tr)),
         "bytes_per_token": bpt, "descriptors_per_token": dpt, "bytes_per_token_from": bpt_from,

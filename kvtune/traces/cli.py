@@ -13,7 +13,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p = sub.add_parser("summary", help="span counts by service and name; clock offsets")
     p.add_argument("source", nargs="+",
                    help="span files (.jsonl/.json, .gz), globs, directories, or "
-                        "tempo+http://HOST:PORT?q=<TraceQL>&start=&end=&limit=")
+                        "tempo+http://HOST:PORT?q=<TraceQL>[&since=1h | &start=&end=][&limit=]")
     p.add_argument("--skip-bad", action="store_true", help="skip malformed records (reported)")
     p.set_defaults(func=run)
 

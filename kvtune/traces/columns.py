@@ -103,6 +103,8 @@ class SpanRows:
         self.bad_values: list[tuple[int, str, str]] = []
         """(row, field, what was expected) of values found bad while appending (reported, or
         their rows dropped under ``skip_bad``, when the frame is built)."""
+        self.tempo_reads: list[Any] = []
+        """One ``kvtune.traces.tempo.TempoRead`` per Tempo source read."""
 
     def __len__(self) -> int:
         return len(self.trace_id)

@@ -19,7 +19,7 @@ from tqdm import tqdm
 from kvtune.errors import TraceFormatError, TraceSourceError
 from kvtune.traces import otlp_json
 from kvtune.traces.columns import Skipped, SpanRows
-from kvtune.traces.tempo import SCHEMES, TempoSource
+from kvtune.traces.tempo import SCHEMES, TempoRead, TempoSource, one_sided_transfers
 
 _logger = logging.getLogger(__name__)
 
@@ -285,10 +285,25 @@ class _Reader:
             self.rows.skipped.append(Skipped(source, None, str(exc)))
 
     def tempo(self, src: TempoSource, bar: tqdm) -> None:
-        for url, body in src.documents():
+        found = src.search()
+        first_row, fetched = len(self.rows), 0
+        for url, body in src.documents(found):
             src_idx = self.rows.source_index(url)
-            self.document(body, url, src_idx, None)
+            try:
+                self.document(body, url, src_idx, None)
+            except RecursionError:
+                if not self.skip_bad:
+                    raise TraceSourceError(f"{url}: Tempo's answer is nested too deeply to be a "
+                                           f"trace") from None
+                self.rows.skipped.append(Skipped(url, None, "answer nested too deeply"))
+            fetched += 1
             bar.update(len(body))
+        read = TempoRead(found, traces_fetched=fetched, spans_read=len(self.rows) - first_row,
+                         one_sided_transfers=one_sided_transfers(self.rows, first_row))
+        self.rows.tempo_reads.append(read)
+        _logger.info("%s", read.summary())
+        for f in read.findings()[1:]:
+            _logger.warning("%s", f["message"])
 
 
 _GZIP_ERRORS = (OSError, EOFError, zlib.error)
@@ -379,6 +394,7 @@ def load(source: SourceArg, *, skip_bad: bool = False, correct_clocks: bool = Tr
         rows = read_spans(source, skip_bad=skip_bad, progress=progress)
         df = rows.frame(skip_bad=skip_bad)
         skipped, sources = rows.skipped, rows.sources
+        tempo_reads = list(rows.tempo_reads)
         del rows
     finally:
         if gc_was_enabled:
@@ -391,6 +407,8 @@ def load(source: SourceArg, *, skip_bad: bool = False, correct_clocks: bool = Tr
     df.attrs["clock_offsets_ns"] = offsets
     df.attrs["skipped"] = [s.as_tuple() for s in skipped]
     df.attrs["sources"] = list(sources)
+    if tempo_reads:
+        df.attrs["tempo_reads"] = tempo_reads
     if skipped:
         _logger.warning("skipped %d bad record(s) from %d source(s); first: %s:%s: %s",
                         len(skipped), len({s.source for s in skipped}),

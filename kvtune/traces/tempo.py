@@ -6,17 +6,32 @@ then fetch each trace: ``/api/v2/traces/<id>`` (``{"trace": {"resourceSpans": [.
 404 falls back to v1. Trace ids may come back hex or base64 (Tempo's protobuf-JSON); the loader
 accepts both.
 
-A source URL: ``tempo+http://HOST:PORT[/prefix]?q={}&start=<unix s>&end=<unix s>&limit=<n>``.
+A source URL: ``tempo+http://HOST:PORT[/prefix]?q={}&start=<unix s>&end=<unix s>&limit=<n>``, or
+``...?q={}&since=2h`` (the last two hours). The search always sends an explicit time range: a
+Tempo search without one reads only the ingesters' recent data and silently misses the rest.
+Without ``start``/``since`` the range is the last :data:`DEFAULT_SINCE_S` seconds (one hour, the
+dashboards' default), ending now or at ``end``.
+
+A window of the range whose search returns ``limit`` traces may hold more: it is split in halves
+and each half searched again, down to one second; windows longer than Tempo's maximum search
+duration are split before they are sent (and again if the server answers that a range is too
+long); a ``limit`` over the server's ``max_result_limit`` is lowered to it. What the search did is
+returned as a :class:`TempoSearch` (range, requests, traces found, why it was cut short, if it was).
 """
 from __future__ import annotations
 
+import http.client
 import json
 import logging
+import math
+import re
+import time
 import urllib.error
 import urllib.parse
 import urllib.request
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from kvtune.errors import TraceFormatError, TraceSourceError
 
@@ -25,14 +40,154 @@ _logger = logging.getLogger(__name__)
 SCHEMES = ("tempo+http", "tempo+https")
 DEFAULT_QUERY = "{}"
 DEFAULT_LIMIT = 1000
-"""Traces per search when the URL gives no ``limit`` (Tempo's own default is 20)."""
+"""Traces per search request when the URL gives no ``limit`` (Tempo's own default is 20); a window
+that returns this many is split and searched again."""
+DEFAULT_SINCE_S = 3600
+"""Range searched when the source gives no ``start`` and no ``since``: the last hour (the
+dashboards' default range)."""
+MAX_WINDOW_S = 168 * 3600
+"""Longest range sent in one search: Tempo's default ``query_frontend.search.max_duration``
+(168 h); longer ranges are split first. A server configured lower answers HTTP 400, and the
+window is halved until it is accepted."""
+MIN_WINDOW_S = 1
+"""Tempo's search range is in whole seconds: a one-second window cannot be split further."""
+MAX_SEARCH_REQUESTS = 2000
+"""Search requests one read may send before it stops, saying so (splitting is bounded)."""
 DEFAULT_TIMEOUT_S = 30.0
 API_VERSIONS = ("auto", "v1", "v2")
+MAX_SEARCH_BODY_BYTES = 64 * 2**20
+"""Largest search answer read (64 MiB: over 100 000 traces' summaries)."""
+MAX_TRACE_BODY_BYTES = 256 * 2**20
+"""Largest trace answer read (256 MiB; Tempo's own ``max_bytes_per_trace`` default is 5 MB)."""
+MAX_UNIX_S = 2**63 // 10**9
+"""Latest time a range may name (Tempo keeps nanoseconds in int64)."""
+_DURATION_UNITS_S = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
+_DURATION_RE = re.compile(r"(\d+(?:\.\d+)?)([smhdw])")
+_RANGE_TOO_LONG = re.compile(r"range specified by start and end exceeds "
+                             r"((?:\d+(?:\.\d+)?(?:h|ms|m|s|us|ns))+)")
+_LIMIT_TOO_HIGH = re.compile(r"limit \d+ exceeds max limit (\d+)")
+
+
+def parse_since(text: str, *, where: str = "since") -> int:
+    """Seconds in a ``since`` value: ``3600``, ``90s``, ``30m``, ``2h``, ``1d``, ``1h30m``, ``1w``."""
+    s = text.strip()
+    try:
+        value = float(s)
+    except ValueError:
+        pos, total = 0, 0.0
+        for m in _DURATION_RE.finditer(s):
+            if m.start() != pos:
+                break
+            total += float(m.group(1)) * _DURATION_UNITS_S[m.group(2)]
+            pos = m.end()
+        if pos != len(s) or not s:
+            raise TraceSourceError(f"{where}: expected a duration such as 3600, 90s, 30m, 2h or 1d, "
+                                   f"got {text!r}") from None
+        value = total
+    if not math.isfinite(value) or value <= 0 or value > MAX_UNIX_S:
+        raise TraceSourceError(f"{where}: expected a positive, finite duration, got {text!r}")
+    return max(MIN_WINDOW_S, math.ceil(value))
+
+
+def _go_duration_s(text: str) -> int | None:
+    """Seconds in a Go duration such as ``168h0m0s`` (None when it is not one)."""
+    total, pos = 0.0, 0
+    for m in re.finditer(r"(\d+(?:\.\d+)?)(h|m|s|ms|us|ns)", text):
+        if m.start() != pos:
+            return None
+        total += float(m.group(1)) * {"h": 3600, "m": 60, "s": 1, "ms": 1e-3, "us": 1e-6,
+                                      "ns": 1e-9}[m.group(2)]
+        pos = m.end()
+    return int(total) if pos == len(text) and total >= 1 else None
+
+
+@dataclass(frozen=True)
+class TempoSearch:
+    """What one read's search did: the range, the requests sent, the traces found."""
+
+    url: str
+    """The search endpoint."""
+    query: str
+    start_s: int
+    end_s: int
+    """Range searched, unix seconds (Tempo's ``start``/``end``)."""
+    range_from: str
+    """Where the range came from: ``"start/end"``, ``"since=<s>"`` or ``"default: last <s> s"``."""
+    limit: int
+    """Traces asked per request (after any lowering to the server's maximum)."""
+    trace_ids: tuple[str, ...]
+    """Every trace id found, first-seen order, without duplicates."""
+    requests: int
+    """Search requests sent (including ones answered "too long" or "limit too high")."""
+    windows: int
+    """Windows whose answer was kept (after splitting)."""
+    cut_short: tuple[str, ...] = ()
+    """Why traces in the range may have been left out (empty: the search covered it all)."""
+
+    @property
+    def complete(self) -> bool:
+        return not self.cut_short
+
+
+@dataclass(frozen=True)
+class TempoRead:
+    """What one Tempo source gave the loader: the search, the traces fetched, the spans read."""
+
+    search: TempoSearch
+    traces_fetched: int
+    spans_read: int
+    one_sided_transfers: int = 0
+    """Transfers (``kv.transfer_id``) with an initiator ``kv.rdma`` span and no target ``kv.notify``
+    or the reverse: a sign that Tempo answered part of the traces (still ingesting, blocks missed)."""
+
+    @property
+    def partial(self) -> bool:
+        return bool(self.search.cut_short) or self.one_sided_transfers > 0
+
+    def summary(self) -> str:
+        s = self.search
+        return (f"tempo {s.url}: searched {_iso(s.start_s)} .. {_iso(s.end_s)} ({s.range_from}; "
+                f"q={s.query}, limit {s.limit}, {s.requests} request(s), {s.windows} window(s)): "
+                f"{len(s.trace_ids)} trace(s) found, {self.traces_fetched} fetched, "
+                f"{self.spans_read} span(s) read")
+
+    def findings(self) -> list[dict[str, Any]]:
+        """Findings (``code``, ``severity``, ``message``, ``evidence``) for the recommendation."""
+        s = self.search
+        evidence = self.as_dict()
+        out = [{"code": "tempo_read", "severity": "info", "message": self.summary(),
+                "evidence": evidence}]
+        if s.cut_short:
+            out.append({"code": "tempo_search_cut_short", "severity": "warning",
+                        "message": f"the Tempo search was cut short, traces in the range may be "
+                                   f"missing: {'; '.join(s.cut_short)}", "evidence": evidence})
+        if self.one_sided_transfers:
+            out.append({"code": "tempo_partial_traces", "severity": "warning",
+                        "message": f"{self.one_sided_transfers} transfer(s) read from Tempo have "
+                                   f"spans from one side only (kv.rdma without kv.notify, or the "
+                                   f"reverse): Tempo may have answered part of the traces (still "
+                                   f"ingesting, or the range cuts through them), or these "
+                                   f"transfers never completed", "evidence": evidence})
+        return out
+
+    def as_dict(self) -> dict[str, Any]:
+        s = self.search
+        return {"url": s.url, "query": s.query, "start_s": s.start_s, "end_s": s.end_s,
+                "range_from": s.range_from, "limit": s.limit, "requests": s.requests,
+                "windows": s.windows, "traces_found": len(s.trace_ids),
+                "traces_fetched": self.traces_fetched, "spans_read": self.spans_read,
+                "one_sided_transfers": self.one_sided_transfers, "cut_short": list(s.cut_short)}
+
+
+def _iso(unix_s: int) -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(unix_s))
 
 
 @dataclass(frozen=True)
 class TempoSource:
-    """A Tempo server and a search (TraceQL ``query``, unix-seconds ``start``/``end``, ``limit``)."""
+    """A Tempo server and a search: TraceQL ``query``, a range (unix-seconds ``start_s``/``end_s``,
+    or the last ``since_s`` seconds; default the last :data:`DEFAULT_SINCE_S`) and the traces per
+    request ``limit``."""
 
     base_url: str
     query: str = DEFAULT_QUERY
@@ -42,22 +197,41 @@ class TempoSource:
     api: str = "auto"
     timeout_s: float = DEFAULT_TIMEOUT_S
     headers: Mapping[str, str] = field(default_factory=dict)
+    since_s: int | None = None
 
     def __post_init__(self) -> None:
+        where = f"TempoSource({self.base_url!r})"
         if self.api not in API_VERSIONS:
-            raise TraceSourceError(f"TempoSource.api: expected one of {API_VERSIONS}, got {self.api!r}")
-        if not self.base_url.startswith(("http://", "https://")):
+            raise TraceSourceError(f"{where}.api: expected one of {API_VERSIONS}, got {self.api!r}")
+        if not isinstance(self.base_url, str) or not self.base_url.startswith(("http://", "https://")):
             raise TraceSourceError(f"TempoSource.base_url: expected http(s)://HOST:PORT, "
                                    f"got {self.base_url!r}")
+        if isinstance(self.limit, bool) or not isinstance(self.limit, int) or self.limit < 1:
+            raise TraceSourceError(f"{where}.limit: expected a whole number >= 1, got {self.limit!r}")
+        for name in ("start_s", "end_s", "since_s"):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or not
+                                  0 <= v <= MAX_UNIX_S):
+                raise TraceSourceError(f"{where}.{name}: expected whole seconds in [0, {MAX_UNIX_S}],"
+                                       f" got {v!r}")
+        if self.since_s is not None and self.start_s is not None:
+            raise TraceSourceError(f"{where}: give start or since, not both")
+        if self.since_s is not None and self.since_s < MIN_WINDOW_S:
+            raise TraceSourceError(f"{where}.since_s: expected >= {MIN_WINDOW_S}, got {self.since_s}")
+        if self.start_s is not None and self.end_s is not None and self.end_s <= self.start_s:
+            raise TraceSourceError(f"{where}: end ({self.end_s}) must be after start ({self.start_s})")
+        if not (isinstance(self.timeout_s, (int, float)) and math.isfinite(self.timeout_s)
+                and self.timeout_s > 0):
+            raise TraceSourceError(f"{where}.timeout_s: expected seconds > 0, got {self.timeout_s!r}")
 
     @classmethod
     def from_url(cls, url: str) -> TempoSource:
-        """Parses ``tempo+http(s)://HOST:PORT[/prefix]?q=&start=&end=&limit=``."""
+        """Parses ``tempo+http(s)://HOST:PORT[/prefix]?q=&start=&end=&since=&limit=&api=``."""
         parts = urllib.parse.urlsplit(url)
         if parts.scheme not in SCHEMES:
             raise TraceSourceError(f"{url}: expected a tempo+http:// or tempo+https:// URL")
         params = urllib.parse.parse_qs(parts.query)
-        known = {"q", "start", "end", "limit", "api"}
+        known = {"q", "start", "end", "since", "limit", "api"}
         unknown = set(params) - known
         if unknown:
             _logger.warning("%s: ignoring unknown query parameter(s) %s", url, sorted(unknown))
@@ -66,64 +240,142 @@ class TempoSource:
             vals = params.get(name)
             return vals[-1] if vals else None
 
-        def as_int(name: str) -> int | None:
+        def as_int(name: str, what: str) -> int | None:
             val = one(name)
             if val is None or val == "":
                 return None
             try:
-                return int(float(val))
+                num = float(val)
             except ValueError:
-                raise TraceSourceError(f"{url}: query parameter {name!r}: expected a number, "
-                                       f"got {val!r}") from None
+                num = math.nan
+            if not math.isfinite(num) or num < 0 or num > MAX_UNIX_S:
+                raise TraceSourceError(f"{url}: query parameter {name!r}: expected {what}, "
+                                       f"got {val!r}")
+            return int(num)
 
+        since = one("since")
         base = urllib.parse.urlunsplit((parts.scheme.split("+", 1)[1], parts.netloc,
                                         parts.path.rstrip("/"), "", ""))
-        limit = as_int("limit")
-        return cls(base_url=base, query=one("q") or DEFAULT_QUERY, start_s=as_int("start"),
-                   end_s=as_int("end"), limit=DEFAULT_LIMIT if limit is None else limit,
-                   api=one("api") or "auto")
+        limit = as_int("limit", "a whole number of traces >= 1")
+        if limit is not None and limit < 1:
+            raise TraceSourceError(f"{url}: query parameter 'limit': expected a whole number of "
+                                   f"traces >= 1, got {one('limit')!r}")
+        try:
+            return cls(base_url=base, query=one("q") or DEFAULT_QUERY,
+                       start_s=as_int("start", "unix seconds"), end_s=as_int("end", "unix seconds"),
+                       limit=DEFAULT_LIMIT if limit is None else limit, api=one("api") or "auto",
+                       since_s=None if not since else parse_since(since, where=f"{url}: since"))
+        except TraceSourceError as exc:
+            msg = str(exc)
+            raise TraceSourceError(msg if msg.startswith(url) else f"{url}: {msg}") from None
 
     @property
     def name(self) -> str:
         return f"tempo {self.base_url} q={self.query}"
 
+    def time_range(self, now_s: float | None = None) -> tuple[int, int, str]:
+        """(start, end, where from): the range a read searches (see the module doc)."""
+        now = math.ceil(time.time() if now_s is None else now_s) + 1  # +1: Tempo's end is exclusive
+        end = self.end_s if self.end_s is not None else now
+        if self.start_s is not None:
+            start, source = self.start_s, "start/end" if self.end_s is not None else "start..now"
+        elif self.since_s is not None:
+            start, source = end - self.since_s, f"since={self.since_s}s"
+        else:
+            start, source = end - DEFAULT_SINCE_S, f"default: last {DEFAULT_SINCE_S} s"
+        if end <= start:
+            raise TraceSourceError(f"{self.base_url}: empty time range: start {start} >= end {end}")
+        return max(start, 0), end, source
+
     # --- HTTP --------------------------------------------------------------------------------
-    def _get(self, path: str, params: Mapping[str, object] | None = None) -> tuple[int, bytes]:
+    def _get(self, path: str, params: Mapping[str, object] | None = None, *,
+             max_bytes: int = MAX_TRACE_BODY_BYTES) -> tuple[int, bytes]:
         url = self.base_url + path
         if params:
             url += "?" + urllib.parse.urlencode({k: v for k, v in params.items() if v is not None})
         req = urllib.request.Request(url, headers={"Accept": "application/json", **self.headers})
         try:
             with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:  # noqa: S310
-                return resp.status, resp.read()
+                body = resp.read(max_bytes + 1)
+                status = resp.status
+                missing = resp.length if len(body) <= max_bytes else None
         except urllib.error.HTTPError as exc:
-            return exc.code, exc.read() or b""
+            try:
+                return exc.code, exc.read(64 * 1024) or b""
+            except (OSError, http.client.HTTPException):
+                return exc.code, b""
         except (urllib.error.URLError, OSError) as exc:
             raise TraceSourceError(f"{url}: Tempo unreachable: {exc}") from exc
+        except http.client.HTTPException as exc:  # IncompleteRead, BadStatusLine, ...
+            raise TraceSourceError(f"{url}: Tempo's answer was cut off or malformed: "
+                                   f"{type(exc).__name__}: {exc}") from exc
+        if len(body) > max_bytes:
+            raise TraceSourceError(f"{url}: answer larger than {max_bytes} bytes; narrow the "
+                                   f"query or the range")
+        if missing:  # read(n) returns what came before the connection closed, without raising
+            raise TraceSourceError(f"{url}: Tempo's answer was cut off: {len(body)} of "
+                                   f"{len(body) + missing} bytes arrived")
+        return status, body
 
-    def search(self) -> list[str]:
-        """Trace ids matching the query and time range."""
-        status, body = self._get("/api/search", {"q": self.query, "start": self.start_s,
-                                                 "end": self.end_s, "limit": self.limit})
+    def _search_once(self, start: int, end: int, limit: int) -> tuple[int, bytes, str]:
+        params = {"q": self.query, "start": start, "end": end, "limit": limit}
+        status, body = self._get("/api/search", params, max_bytes=MAX_SEARCH_BODY_BYTES)
+        return status, body, f"{self.base_url}/api/search?{urllib.parse.urlencode(params)}"
+
+    def search(self, *, now_s: float | None = None) -> TempoSearch:
+        """Every trace id the query matches in the range, splitting windows that hit the limit."""
+        start, end, range_from = self.time_range(now_s)
         where = f"{self.base_url}/api/search"
-        if status != 200:
-            raise TraceSourceError(f"{where}: HTTP {status}: {body[:300]!r}")
-        try:
-            doc = json.loads(body)
-        except ValueError as exc:
-            raise TraceFormatError(where, "(json)", "a JSON search response", got=str(exc)) from None
-        traces = doc.get("traces") if isinstance(doc, dict) else None
-        if traces is None:
-            traces = []  # Tempo omits "traces" when nothing matched
-        if not isinstance(traces, list):
-            raise TraceFormatError(where, "traces", "a list of {\"traceID\": ...}", got=traces)
-        ids = []
-        for i, t in enumerate(traces):
-            tid = t.get("traceID") if isinstance(t, dict) else None
-            if not isinstance(tid, str) or not tid:
-                raise TraceFormatError(where, f"traces[{i}].traceID", "a trace id string", got=t)
-            ids.append(tid)
-        return ids
+        max_window = MAX_WINDOW_S
+        limit = self.limit
+        pending = [(s, min(s + max_window, end)) for s in range(start, end, max_window)][::-1]
+        found: dict[str, None] = {}
+        requests = windows = 0
+        cut: list[str] = []
+        while pending:
+            if requests >= MAX_SEARCH_REQUESTS:
+                cut.append(f"stopped after {requests} search requests with {len(pending)} "
+                           f"window(s) unsearched from {_iso(pending[-1][0])}; raise limit= or "
+                           f"narrow the range")
+                break
+            lo, hi = pending.pop()
+            status, body, url = self._search_once(lo, hi, limit)
+            requests += 1
+            if status == 400:
+                text = body[:2000].decode("utf-8", "replace")
+                too_long = _RANGE_TOO_LONG.search(text)
+                too_many = _LIMIT_TOO_HIGH.search(text)
+                if too_many and 1 <= int(too_many.group(1)) < limit:
+                    _logger.info("%s: server's max_result_limit is %s; lowering limit from %d",
+                                 where, too_many.group(1), limit)
+                    limit = int(too_many.group(1))
+                    pending.append((lo, hi))
+                    continue
+                if too_long and hi - lo > MIN_WINDOW_S:
+                    server_max = _go_duration_s(too_long.group(1))
+                    max_window = min(max_window, server_max or (hi - lo) // 2, (hi - lo) // 2)
+                    max_window = max(max_window, MIN_WINDOW_S)
+                    pending += [(s, min(s + max_window, hi)) for s in range(lo, hi, max_window)][::-1]
+                    continue
+            if status != 200:
+                raise TraceSourceError(f"{url}: HTTP {status}: {body[:300]!r}")
+            ids, partial_jobs = _search_answer(body, url)
+            if len(ids) >= limit:
+                if hi - lo > MIN_WINDOW_S:
+                    mid = lo + (hi - lo) // 2
+                    pending += [(mid, hi), (lo, mid)]
+                    continue
+                cut.append(f"{len(ids)} traces (the limit) in the one-second window starting "
+                           f"{_iso(lo)}: raise limit=")
+            if partial_jobs:
+                cut.append(f"{partial_jobs} in {_iso(lo)} .. {_iso(hi)}")
+            windows += 1
+            for tid in ids:
+                found.setdefault(tid, None)
+        result = TempoSearch(url=where, query=self.query, start_s=start, end_s=end,
+                             range_from=range_from, limit=limit, trace_ids=tuple(found),
+                             requests=requests, windows=windows, cut_short=tuple(cut))
+        return result
 
     def fetch(self, trace_id: str) -> tuple[str, bytes]:
         """(URL, body) of one trace; the body is ``{"batches": ..}`` or ``{"trace": ..}``."""
@@ -139,7 +391,66 @@ class TempoSource:
                 break
         raise TraceSourceError(f"{self.base_url}{paths[-1]}: HTTP {status}: {body[:300]!r}")
 
-    def documents(self) -> Iterator[tuple[str, bytes]]:
-        """(URL, body) for every trace the search finds."""
-        for tid in self.search():
+    def documents(self, found: TempoSearch | None = None) -> Iterator[tuple[str, bytes]]:
+        """(URL, body) for every trace the search (``found``, else a new one) finds."""
+        for tid in (found or self.search()).trace_ids:
             yield self.fetch(tid)
+
+
+def one_sided_transfers(rows: Any, first_row: int = 0) -> int:
+    """Transfers among ``rows`` (a ``SpanRows``, from ``first_row`` on) that have a ``kv.rdma``
+    span and no ``kv.notify`` span or the reverse (transfers keyed by trace and transfer id)."""
+    from kvtune import spans as sc
+
+    idx, values = rows.conv.get(sc.TRANSFER_ID, ((), []))
+    rdma, notify = set(), set()
+    for row, tid in zip(idx, values):
+        if row < first_row:
+            continue
+        name = rows.name[row]
+        if name == sc.SpanName.RDMA.value:
+            rdma.add((rows.trace_id[row], tid))
+        elif name == sc.SpanName.NOTIFY.value:
+            notify.add((rows.trace_id[row], tid))
+    return len(rdma ^ notify)
+
+
+def _search_answer(body: bytes, url: str) -> tuple[list[str], str]:
+    """(trace ids, a note when Tempo says jobs did not complete) from a search answer."""
+    try:
+        doc = json.loads(body)
+    except RecursionError:
+        raise TraceSourceError(f"{url}: search answer nested too deeply to be Tempo's") from None
+    except ValueError as exc:
+        raise TraceFormatError(url, "(json)", "a JSON search response", got=str(exc)) from None
+    if not isinstance(doc, dict):
+        raise TraceFormatError(url, "(json)", "a JSON object {\"traces\": [...]}", got=doc)
+    traces = doc.get("traces")
+    if traces is None:
+        traces = []  # Tempo omits "traces" when nothing matched
+    if not isinstance(traces, list):
+        raise TraceFormatError(url, "traces", "a list of {\"traceID\": ...}", got=traces)
+    ids = []
+    for i, t in enumerate(traces):
+        tid = t.get("traceID") if isinstance(t, dict) else None
+        if not isinstance(tid, str) or not tid:
+            raise TraceFormatError(url, f"traces[{i}].traceID", "a trace id string", got=t)
+        ids.append(tid)
+    note = ""
+    metrics = doc.get("metrics")
+    if isinstance(metrics, dict):
+        done, total = metrics.get("completedJobs"), metrics.get("totalJobs")
+        # Tempo stops its jobs early once it has `limit` traces: only a short answer with
+        # unfinished jobs means something was not searched.
+        if (isinstance(done, int) and isinstance(total, int) and done < total
+                and len(ids) < _requested_limit(url)):
+            note = f"Tempo completed {done} of {total} search jobs"
+    return ids, note
+
+
+def _requested_limit(url: str) -> int:
+    q = urllib.parse.parse_qs(urllib.parse.urlsplit(url).query)
+    try:
+        return int(q["limit"][0])
+    except (KeyError, ValueError, IndexError):
+        return 0

@@ -1,0 +1,149 @@
+"""A stand-in for Grafana Tempo's HTTP API that serves responses recorded from a real Tempo.
+
+``tests/fixtures/traces/tempo_real/`` holds what a real Tempo (version in ``recording.json``)
+answered for kvtune spans sent to it over OTLP/HTTP (``tests/test_traces_tempo_real.py`` records
+them with ``KVTUNE_TEMPO_RECORD=DIR``): a search with a time range, the same search without one,
+each trace (``/api/v2/traces/<id>``), TraceQL metrics ``query_range`` answers and the server's
+``400`` answers to a too-long range and a too-high limit.
+
+The stand-in answers as that Tempo did: a search without ``start``/``end`` gets the recorded
+no-range answer verbatim (Tempo then reads only its ingesters: a subset); a search with a range
+gets the recorded ranged answer's traces whose start falls in the range (times moved so the
+recording ends at the moment the stand-in starts), at most ``limit`` of them, most recent first;
+ranges longer than ``max_duration_s`` and limits above ``max_limit`` get the recorded 400 bodies,
+rewritten with the request's numbers. It records every request.
+"""
+from __future__ import annotations
+
+import gzip
+import json
+import re
+import threading
+import time
+import urllib.parse
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+RECORDED = Path(__file__).parent / "fixtures" / "traces" / "tempo_real"
+
+
+@dataclass
+class Recording:
+    meta: dict[str, Any]
+    search_range: dict[str, Any]
+    search_norange: dict[str, Any]
+    traces: dict[str, bytes]
+    metrics: dict[str, Any]
+    errors: dict[str, str]
+
+    @classmethod
+    def load(cls, root: Path = RECORDED) -> Recording:
+        with gzip.open(root / "traces.json.gz", "rt", encoding="utf-8") as f:
+            traces = {k: v.encode() for k, v in json.load(f).items()}
+        return cls(meta=json.loads((root / "recording.json").read_text()),
+                   search_range=json.loads((root / "search_range.json").read_text()),
+                   search_norange=json.loads((root / "search_norange.json").read_text()),
+                   traces=traces, metrics=json.loads((root / "metrics.json").read_text()),
+                   errors=json.loads((root / "errors.json").read_text()))
+
+    def trace_ids(self) -> list[str]:
+        return [t["traceID"] for t in self.search_range.get("traces", [])]
+
+
+@dataclass
+class StandInState:
+    rec: Recording
+    shift_ns: int
+    max_duration_s: int = 168 * 3600
+    max_limit: int = 256 * 1024
+    requests: list[tuple[str, dict[str, list[str]]]] = field(default_factory=list)
+    cut_body_at: int | None = None
+    """Send only this many bytes of each trace body (Content-Length says the whole): IncompleteRead."""
+    search_override: bytes | None = None
+
+    def search(self, q: dict[str, list[str]]) -> tuple[int, bytes]:
+        if self.search_override is not None:
+            return 200, self.search_override
+        limit = int(q.get("limit", ["20"])[0])
+        if limit > self.max_limit:
+            msg = re.sub(r"limit \d+ exceeds max limit \d+", f"limit {limit} exceeds max limit "
+                         f"{self.max_limit}", self.rec.errors["limit_too_high"])
+            return 400, msg.encode()
+        if "start" not in q or "end" not in q:
+            return 200, json.dumps(self.rec.search_norange).encode()
+        start, end = int(q["start"][0]), int(q["end"][0])
+        if end - start > self.max_duration_s:
+            msg = re.sub(r"exceeds \S+ received start=\d+ end=\d+",
+                         f"exceeds {_go_duration(self.max_duration_s)}. received start={start} "
+                         f"end={end}",
+                         self.rec.errors["range_too_long"])
+            return 400, msg.encode()
+        hits = []
+        for t in self.rec.search_range.get("traces", []):
+            t_s = (int(t["startTimeUnixNano"]) + self.shift_ns) / 1e9
+            if start <= t_s < end:
+                hits.append(t)
+        hits.sort(key=lambda t: -int(t["startTimeUnixNano"]))
+        doc = {"traces": hits[:limit], "metrics": self.rec.search_range.get("metrics", {})}
+        return 200, json.dumps(doc).encode()
+
+
+def _go_duration(seconds: int) -> str:
+    """Seconds as Go prints a time.Duration (``168h0m0s``)."""
+    return f"{seconds // 3600}h{seconds % 3600 // 60}m{seconds % 60}s"
+
+
+class _Handler(BaseHTTPRequestHandler):
+    state: StandInState
+
+    def do_GET(self) -> None:  # noqa: N802
+        parts = urllib.parse.urlsplit(self.path)
+        q = urllib.parse.parse_qs(parts.query)
+        st = self.state
+        st.requests.append((parts.path, q))
+        if parts.path == "/api/search":
+            return self._send(*st.search(q))
+        m = re.fullmatch(r"/api/v2/traces/([0-9a-fA-F]+)", parts.path)
+        if m and m.group(1) in st.rec.traces:
+            body = st.rec.traces[m.group(1)]
+            if st.cut_body_at is not None:
+                return self._send(200, body, cut=st.cut_body_at)
+            return self._send(200, body)
+        if parts.path == "/api/metrics/query_range" and q.get("q", [""])[0] in st.rec.metrics:
+            return self._send(200, json.dumps(st.rec.metrics[q["q"][0]]).encode())
+        return self._send(404, b"trace not found")
+
+    def _send(self, status: int, body: bytes, cut: int | None = None) -> None:
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json" if status == 200 else "text/plain")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body if cut is None else body[:cut])
+        if cut is not None:
+            self.wfile.flush()
+            self.close_connection = True
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@contextmanager
+def serve(rec: Recording | None = None, **kw: Any) -> Iterator[tuple[str, StandInState]]:
+    """(``HOST:PORT``, state) of a stand-in on 127.0.0.1 serving ``rec`` (default: the recording)."""
+    rec = rec or Recording.load()
+    newest = max(int(t["startTimeUnixNano"]) for t in rec.search_range["traces"])
+    # the recording's newest trace started a minute ago: inside the default one-hour range
+    state = StandInState(rec=rec, shift_ns=time.time_ns() - 60 * 10**9 - newest, **kw)
+    handler = type("Handler", (_Handler,), {"state": state})
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"127.0.0.1:{server.server_port}", state
+    finally:
+        server.shutdown()
+        server.server_close()

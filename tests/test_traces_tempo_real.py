@@ -1,0 +1,388 @@
+"""Against a real Grafana Tempo: kvtune's spans in over OTLP/HTTP, the Tempo source and every
+dashboard panel's query out.
+
+Runs when ``KVTUNE_TEMPO_BIN`` names a Tempo binary (skipped otherwise, saying so). Tempo runs as
+one process with ``dashboards/tempo.yaml``'s settings, its storage in a temporary directory and
+every listener on 127.0.0.1. The spans are those of the real vLLM pairs under
+``examples/stalls/*-default`` (push, pull, bidirectional), moved in time so they end now (Tempo's
+metrics generator only takes spans from the last seconds).
+
+With ``KVTUNE_TEMPO_RECORD=DIR`` the test also writes the server's answers to ``DIR`` in the shape
+of ``tests/fixtures/traces/tempo_real`` (see ``tests/tempo_standin.py``). Recording sends the
+spans in two batches with short ingester timings so the first batch has left the ingesters
+before the no-range search, as on a server that has run for a while.
+"""
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import yaml
+
+from kvtune import spans as sc
+from kvtune import traces
+from kvtune.dashboards import generator as gen
+from kvtune.dashboards.evaluate import evaluate
+from kvtune.dashboards.templating import interpolate
+from kvtune.dashboards.traceql import parse
+
+ROOT = Path(__file__).resolve().parent.parent
+TEMPO_ENV = "KVTUNE_TEMPO_BIN"
+RECORD_ENV = "KVTUNE_TEMPO_RECORD"
+EXAMPLES = sorted((ROOT / "examples" / "stalls").glob("*-default/spans"))
+READY_TIMEOUT_S = 180.0
+INGEST_TIMEOUT_S = 120.0
+
+pytestmark = pytest.mark.skipif(
+    not os.environ.get(TEMPO_ENV) or not os.access(os.environ.get(TEMPO_ENV, ""), os.X_OK),
+    reason=f"set {TEMPO_ENV} to a Tempo binary (built from grafana/tempo's source) to run these")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def tempo_config(root: Path, *, fast_flush: bool = False) -> tuple[dict, dict[str, int]]:
+    """``dashboards/tempo.yaml`` with storage under ``root`` and every listener on 127.0.0.1."""
+    cfg = yaml.safe_load((ROOT / "dashboards" / "tempo.yaml").read_text(encoding="utf-8"))
+    ports = {k: _free_port() for k in ("http", "grpc", "otlp_http", "otlp_grpc", "memberlist")}
+    cfg["server"].update({"http_listen_address": "127.0.0.1", "http_listen_port": ports["http"],
+                          "grpc_listen_address": "127.0.0.1", "grpc_listen_port": ports["grpc"]})
+    protocols = cfg["distributor"]["receivers"]["otlp"]["protocols"]
+    protocols["http"]["endpoint"] = f"127.0.0.1:{ports['otlp_http']}"
+    protocols["grpc"]["endpoint"] = f"127.0.0.1:{ports['otlp_grpc']}"
+    cfg["memberlist"] = {"bind_addr": ["127.0.0.1"], "bind_port": ports["memberlist"],
+                         "advertise_addr": "127.0.0.1", "join_members": []}
+    ring = {"kvstore": {"store": "inmemory"}}
+    cfg.setdefault("ingester", {})["lifecycler"] = {"address": "127.0.0.1", "ring": {
+        **ring, "replication_factor": 1}}
+    cfg["metrics_generator"]["ring"] = {**ring, "instance_addr": "127.0.0.1"}
+    cfg["compactor"]["ring"] = {**ring, "instance_addr": "127.0.0.1"}
+    cfg["querier"] = {"frontend_worker": {"frontend_address": f"127.0.0.1:{ports['grpc']}"}}
+    cfg["usage_report"] = {"reporting_enabled": False}
+    # the spans are replayed minutes after they ended: the metrics generator's default slack (30 s
+    # before now) would drop most of them from the TraceQL metrics
+    cfg["metrics_generator"]["metrics_ingestion_time_range_slack"] = "1h"
+    gen_storage = cfg["metrics_generator"]
+    gen_storage["storage"]["path"] = str(root / "generator" / "wal")
+    gen_storage["traces_storage"]["path"] = str(root / "generator" / "traces")
+    cfg["storage"]["trace"]["wal"]["path"] = str(root / "wal")
+    cfg["storage"]["trace"]["local"]["path"] = str(root / "blocks")
+    if fast_flush:  # recording only: blocks leave the ingesters within a minute, not 20, and
+        # searches with a range read the backend at once (not after 15 minutes)
+        cfg["ingester"].update({"max_block_duration": "5s", "complete_block_timeout": "45s",
+                                "flush_check_period": "1s", "trace_idle_period": "2s"})
+        cfg["storage"]["trace"]["blocklist_poll"] = "2s"
+        cfg["query_frontend"]["search"]["query_backend_after"] = "1s"
+    return cfg, ports
+
+
+class RealTempo:
+    def __init__(self, binary: str, root: Path, *, fast_flush: bool = False) -> None:
+        self.cfg, self.ports = tempo_config(root, fast_flush=fast_flush)
+        self.root = root
+        self.config_path = root / "tempo.yaml"
+        self.config_path.write_text(yaml.safe_dump(self.cfg), encoding="utf-8")
+        self.log = open(root / "tempo.log", "wb")  # noqa: SIM115
+        self.proc = subprocess.Popen([binary, f"-config.file={self.config_path}"],
+                                     stdout=self.log, stderr=subprocess.STDOUT)
+        self.base = f"http://127.0.0.1:{self.ports['http']}"
+
+    def wait_ready(self) -> None:
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"tempo exited {self.proc.returncode}: {self.tail()}")
+            try:
+                if self.get("/ready")[0] == 200:
+                    return
+            except OSError:
+                pass
+            time.sleep(1)
+        raise AssertionError(f"tempo not ready after {READY_TIMEOUT_S} s: {self.tail()}")
+
+    def tail(self) -> str:
+        self.log.flush()
+        return (self.root / "tempo.log").read_text(errors="replace")[-3000:]
+
+    def get(self, path: str, params: dict | None = None) -> tuple[int, bytes]:
+        url = self.base + path + ("?" + urllib.parse.urlencode(params) if params else "")
+        try:
+            with urllib.request.urlopen(url, timeout=60) as r:  # noqa: S310
+                return r.status, r.read()
+        except urllib.error.HTTPError as exc:
+            return exc.code, exc.read()
+
+    def post_otlp(self, doc: dict) -> None:
+        req = urllib.request.Request(f"http://127.0.0.1:{self.ports['otlp_http']}/v1/traces",
+                                     data=json.dumps(doc).encode(), method="POST",
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=30) as r:  # noqa: S310
+            assert r.status == 200, r.read()
+
+    def version(self) -> str:
+        status, body = self.get("/api/status/buildinfo")
+        return json.loads(body).get("version", "?") if status == 200 else "?"
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.log.close()
+
+
+def span_documents(dirs: list[Path]) -> list[dict]:
+    docs = []
+    for d in dirs:
+        for path in sorted(d.glob("*.jsonl.gz")):
+            with gzip.open(path, "rt", encoding="utf-8") as f:
+                docs += [json.loads(line) for line in f if line.strip()]
+    return docs
+
+
+def _spans_of(doc: dict) -> Iterator[dict]:
+    for rs in doc.get("resourceSpans", []):
+        for ss in rs.get("scopeSpans", []):
+            yield from ss.get("spans", [])
+
+
+def shift(docs: list[dict], shift_ns: int) -> list[dict]:
+    """The documents with every time (span start/end, events, kv.notify.sent_ns) moved."""
+    out = json.loads(json.dumps(docs))
+    for doc in out:
+        for sp in _spans_of(doc):
+            for k in ("startTimeUnixNano", "endTimeUnixNano"):
+                sp[k] = str(int(sp[k]) + shift_ns)
+            for ev in sp.get("events", []):
+                ev["timeUnixNano"] = str(int(ev["timeUnixNano"]) + shift_ns)
+            for a in sp.get("attributes", []):
+                if a["key"] == sc.NOTIFY_SENT_NS and "intValue" in a["value"]:
+                    a["value"]["intValue"] = str(int(a["value"]["intValue"]) + shift_ns)
+    return out
+
+
+def recent(dirs: list[Path]) -> list[dict]:
+    """The documents of each example run, moved so that the run ends five seconds ago."""
+    out = []
+    for d in dirs:
+        docs = span_documents([d])
+        newest = max(int(sp["endTimeUnixNano"]) for doc in docs for sp in _spans_of(doc))
+        out += shift(docs, time.time_ns() - 5 * 10**9 - newest)
+    return out
+
+
+def write_jsonl(docs: list[dict], path: Path) -> Path:
+    path.write_text("".join(json.dumps(d) + "\n" for d in docs), encoding="utf-8")
+    return path
+
+
+def trace_ids(docs: list[dict]) -> set[str]:
+    return {sp["traceId"] for d in docs for sp in _spans_of(d)}
+
+
+def span_count(docs: list[dict]) -> int:
+    return sum(1 for d in docs for _ in _spans_of(d))
+
+
+def wait_searchable(tempo: RealTempo, expected: set[str], start: int, end: int) -> dict:
+    deadline = time.monotonic() + INGEST_TIMEOUT_S
+    doc: dict = {}
+    while time.monotonic() < deadline:
+        status, body = tempo.get("/api/search", {"q": "{}", "start": start, "end": end,
+                                                 "limit": 10000})
+        doc = json.loads(body) if status == 200 else {}
+        found = {t["traceID"].rjust(32, "0") for t in doc.get("traces", [])}
+        if expected <= found:
+            return doc
+        time.sleep(1)
+    raise AssertionError(f"Tempo found {len(found)} of {len(expected)} traces after "
+                         f"{INGEST_TIMEOUT_S} s: {tempo.tail()}")
+
+
+def panel_queries() -> list[tuple[str, str]]:
+    """(panel title, query with the variables' default values) for every TraceQL panel."""
+    out = []
+    for board in gen.dashboards().values():
+        for p in board["panels"]:
+            if p["type"] in ("row", "traces"):
+                continue
+            for t in p.get("targets", []):
+                q = interpolate(t["query"], gen.DEFAULT_VARIABLE_VALUES, all_values=gen.ALL_VALUES)
+                out.append((p["title"], parse(q).text))
+    return out
+
+
+def series_labels(answer: dict) -> set[tuple[tuple[str, str], ...]]:
+    """Label sets of a query_range answer's series with samples (``p`` as Tempo prints it)."""
+    out = set()
+    for s in answer.get("series", []):
+        if not any(float(x.get("value", 0)) for x in s.get("samples", [])):
+            continue
+        labels = []
+        for kv in s.get("labels", []):
+            v = kv["value"]
+            val = next(iter(v.values())) if v else "nil"
+            if kv["key"] == "p":
+                val = f"{float(val):g}"
+            labels.append((kv["key"], str(val)))
+        out.add(tuple(sorted(labels)))
+    return out
+
+
+def evaluator_labels(result) -> set[tuple[tuple[str, str], ...]]:
+    label_cols = [c for c in result.columns if c not in ("time_s", "value")]
+    return {tuple(sorted((c, str(r[c])) for c in label_cols)) for _, r in result.iterrows()}
+
+
+@pytest.fixture(scope="module")
+def real_tempo(tmp_path_factory) -> Iterator[tuple[RealTempo, list[dict], Path]]:
+    root = tmp_path_factory.mktemp("tempo")
+    record = os.environ.get(RECORD_ENV)
+    tempo = RealTempo(os.environ[TEMPO_ENV], root, fast_flush=bool(record))
+    try:
+        tempo.wait_ready()
+        now = int(time.time())
+        if record:
+            first = recent(EXAMPLES[:-1])
+            for d in first:
+                tempo.post_otlp(d)
+            wait_searchable(tempo, trace_ids(first), now - 3600, now + 60)
+            # wait until the first batch has left the ingesters (what a no-range search reads)
+            deadline = time.monotonic() + 120
+            while time.monotonic() < deadline:
+                body = json.loads(tempo.get("/api/search", {"q": "{}", "limit": 10000})[1])
+                if not trace_ids(first) & {t["traceID"].rjust(32, "0")
+                                           for t in body.get("traces", [])}:
+                    break
+                time.sleep(2)
+            second = recent(EXAMPLES[-1:])
+            moved = first + second
+            for d in second:
+                tempo.post_otlp(d)
+        else:
+            moved = recent(EXAMPLES)
+            for d in moved:
+                tempo.post_otlp(d)
+        wait_searchable(tempo, trace_ids(moved), now - 3600, int(time.time()) + 60)
+        time.sleep(3)  # the metrics generator's local blocks
+        files = write_jsonl(moved, root / "spans.jsonl")
+        yield tempo, moved, files
+    finally:
+        tempo.stop()
+
+
+def test_tempo_source_reads_every_trace_without_a_range(real_tempo):
+    tempo, docs, files = real_tempo
+    from_files = traces.load(str(files), correct_clocks=False)
+    from_tempo = traces.load(f"tempo+http://127.0.0.1:{tempo.ports['http']}?q=%7B%7D",
+                             correct_clocks=False)
+    (read,) = from_tempo.attrs["tempo_reads"]
+    assert read.search.complete and read.search.range_from.startswith("default")
+    assert len(read.search.trace_ids) == len(trace_ids(docs)) == from_tempo["trace_id"].nunique()
+    assert len(from_tempo) == len(from_files) == span_count(docs)
+    key = ["trace_id", "span_id"]
+    a = from_files.sort_values(key)[key + ["name", "start_ns", "end_ns"]].reset_index(drop=True)
+    b = from_tempo.sort_values(key)[key + ["name", "start_ns", "end_ns"]].reset_index(drop=True)
+    assert a.astype(str).equals(b.astype(str))
+    # a small limit makes the source split the range; it still finds every trace
+    small = traces.load(f"tempo+http://127.0.0.1:{tempo.ports['http']}?q=%7B%7D&limit=7&since=1h",
+                        correct_clocks=False)
+    (read_small,) = small.attrs["tempo_reads"]
+    assert read_small.search.requests > 1
+    assert small["trace_id"].nunique() == len(trace_ids(docs)) or read_small.search.cut_short
+
+
+def test_every_panel_query_returns_rows_and_the_evaluator_agrees(real_tempo):
+    tempo, docs, files = real_tempo
+    spans_df = traces.load(str(files), correct_clocks=False)
+    newest = max(int(sp["endTimeUnixNano"]) for d in docs for sp in _spans_of(d)) // 10**9
+    start, end = newest - 3600, newest + 60
+    record = os.environ.get(RECORD_ENV)
+    rows: dict[str, int] = {}
+    metrics: dict[str, dict] = {}
+    queries = panel_queries()
+    queries.append(("old Notify latency (quantiles of an instant)",
+                    parse(interpolate(gen.phase_latency_query(sc.SpanName.NOTIFY),
+                                      gen.DEFAULT_VARIABLE_VALUES, all_values=gen.ALL_VALUES)).text))
+    for title, q in queries:
+        query = parse(q)
+        if query.metrics is not None:
+            status, body = tempo.get("/api/metrics/query_range",
+                                     {"q": q, "start": start, "end": end, "step": "60s"})
+            assert status == 200, (title, body[:500])
+            answer = json.loads(body)
+            metrics[q] = answer
+            got = series_labels(answer)
+            rows[title] = len(got)
+            ours = evaluator_labels(evaluate(query, spans_df))
+            assert got == ours, f"{title}: Tempo {sorted(got)} != evaluator {sorted(ours)}"
+        else:
+            status, body = tempo.get("/api/search", {"q": q, "start": start, "end": end,
+                                                     "limit": 1000, "spss": 100})
+            assert status == 200, (title, body[:500])
+            found = json.loads(body).get("traces", [])
+            rows[title] = sum(len(ss.get("spans", [])) for t in found
+                              for ss in t.get("spanSets", [t.get("spanSet", {})]))
+    print(f"\nTempo {tempo.version()} rows per panel:")
+    for title, n in rows.items():
+        print(f"  {n:5d}  {title}")
+    assert rows.pop("old Notify latency (quantiles of an instant)") == 0
+    assert all(n > 0 for n in rows.values()), rows
+    if record:
+        _record(tempo, docs, Path(record), metrics)
+
+
+def _record(tempo: RealTempo, docs: list[dict], out: Path, metrics: dict[str, dict]) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    newest = max(int(sp["endTimeUnixNano"]) for d in docs for sp in _spans_of(d)) // 10**9
+    start, end = newest - 3600, newest + 60
+    status, ranged = tempo.get("/api/search", {"q": "{}", "start": start, "end": end,
+                                               "limit": 1000})
+    assert status == 200
+    status, norange = tempo.get("/api/search", {"q": "{}", "limit": 1000})
+    assert status == 200
+    ids = [t["traceID"] for t in json.loads(ranged)["traces"]]
+    bodies = {}
+    for tid in ids:
+        status, body = tempo.get(f"/api/v2/traces/{tid}")
+        assert status == 200
+        bodies[tid] = body.decode()
+    errors = {
+        "range_too_long": tempo.get("/api/search", {"q": "{}", "start": start - 200 * 3600,
+                                                    "end": end, "limit": 20})[1].decode(),
+        "limit_too_high": tempo.get("/api/search", {"q": "{}", "start": start, "end": end,
+                                                    "limit": 300000})[1].decode(),
+    }
+    (out / "search_range.json").write_text(json.dumps(json.loads(ranged), indent=1) + "\n")
+    (out / "search_norange.json").write_text(json.dumps(json.loads(norange), indent=1) + "\n")
+    with gzip.open(out / "traces.json.gz", "wt", encoding="utf-8") as f:
+        json.dump(bodies, f)
+    (out / "metrics.json").write_text(json.dumps(metrics, indent=1) + "\n")
+    (out / "errors.json").write_text(json.dumps(errors, indent=1) + "\n")
+    (out / "recording.json").write_text(json.dumps({
+        "tempo_version": tempo.version(), "spans": span_count(docs), "traces": len(trace_ids(docs)),
+        "sources": [str(p.relative_to(ROOT)) for p in EXAMPLES],
+        "config": "dashboards/tempo.yaml, listeners on 127.0.0.1, local storage in a temporary "
+                  "directory; ingester max_block_duration 5s, complete_block_timeout 45s and "
+                  "search query_backend_after 1s, generator metrics_ingestion_time_range_slack 1h "
+                  "(replayed spans); the first batch (" + ", ".join(
+                      p.parent.name for p in EXAMPLES[:-1]) + ") had left the ingesters before "
+                  "the no-range search",
+        "search_range": {"start": start, "end": end, "limit": 1000},
+        "recorded_at_unix_s": int(time.time()),
+    }, indent=1) + "\n")
