@@ -31,6 +31,7 @@ from kvtune.analysis import transfers
 from kvtune.analysis.stalls import STALL_MS, stall_diagnosis
 from kvtune.local.layout import LAYOUTS
 from kvtune.local.pair import LocalPair
+from kvtune.local.watchdog import session_pids
 from kvtune.traces import load
 
 PROMPT_LENGTHS = (64, 256, 512, 1024)
@@ -46,19 +47,16 @@ def prompt(n: int, seed: int) -> list[int]:
 
 def server_cpu_s(pair: LocalPair) -> float:
     """CPU seconds used so far by both servers' processes (API server, engine, worker): each server
-    leads its own session, so its processes are those whose session id is its pid."""
-    sessions = {s.proc.pid for s in (pair.prefill, pair.decode) if s is not None and s.proc}
+    leads its own session (``kvtune.local.watchdog.session_pids``)."""
+    leaders = [s.proc.pid for s in (pair.prefill, pair.decode) if s is not None and s.proc]
     ticks = 0
-    for p in os.listdir("/proc"):
-        if not p.isdigit():
-            continue
+    for pid in session_pids(lambda: leaders):
         try:
-            with open(f"/proc/{p}/stat") as f:
+            with open(f"/proc/{pid}/stat") as f:
                 st = f.read().rsplit(")", 1)[1].split()
         except OSError:
             continue
-        if int(st[3]) in sessions:
-            ticks += int(st[11]) + int(st[12])
+        ticks += int(st[11]) + int(st[12])
     return ticks / os.sysconf("SC_CLK_TCK")
 
 

@@ -97,10 +97,10 @@ def test_default_agent_spins_and_delayed_agent_sleeps() -> None:
     del sleeping
 
 
-def test_read_between_sleeping_agents_completes() -> None:
-    with progress_delay(1000):
-        a, _ = _agent("kvtune-test-reader")
-        b, _ = _agent("kvtune-test-target")
+def _read_and_notify(a, b, reader: str, target: str) -> None:
+    """One 64 KiB READ by ``a`` from ``b`` with a notification; both sides call NIXL until the
+    bytes and the notification arrived (the target's own calls advance it when it has no
+    progress thread)."""
     src = np.arange(1 << 16, dtype=np.uint8)
     dst = np.zeros_like(src)
     reg_b = b.register_memory([(int(src.ctypes.data), src.nbytes, 0, "")], "DRAM")
@@ -110,23 +110,30 @@ def test_read_between_sleeping_agents_completes() -> None:
         b.add_remote_agent(a.get_agent_metadata())
         local = a.get_xfer_descs([(int(dst.ctypes.data), dst.nbytes, 0)], "DRAM")
         remote = b.get_xfer_descs([(int(src.ctypes.data), src.nbytes, 0)], "DRAM")
-        handle = a.initialize_xfer("READ", local, remote, "kvtune-test-target", b"done")
+        handle = a.initialize_xfer("READ", local, remote, target, b"done")
         assert a.transfer(handle) in ("PROC", "DONE")
         deadline = time.monotonic() + 60
         state = a.check_xfer_state(handle)
-        while state == "PROC" and time.monotonic() < deadline:
-            time.sleep(0.001)
-            state = a.check_xfer_state(handle)
+        notifs: dict = {}
+        while time.monotonic() < deadline and (state == "PROC" or not notifs.get(reader)):
+            for k, v in b.get_new_notifs().items():
+                notifs.setdefault(k, []).extend(v)
+            if state == "PROC":
+                state = a.check_xfer_state(handle)
         assert state == "DONE"
         assert np.array_equal(dst, src)
-        notifs: dict = {}
-        while time.monotonic() < deadline and not notifs.get("kvtune-test-reader"):
-            notifs = b.get_new_notifs()
-        assert notifs["kvtune-test-reader"] == [b"done"]
+        assert notifs[reader] == [b"done"]
         a.release_xfer_handle(handle)
     finally:
         a.deregister_memory(reg_a)
         b.deregister_memory(reg_b)
+
+
+def test_read_between_sleeping_agents_completes() -> None:
+    with progress_delay(1000):
+        a, _ = _agent("kvtune-test-reader")
+        b, _ = _agent("kvtune-test-target")
+    _read_and_notify(a, b, "kvtune-test-reader", "kvtune-test-target")
 
 
 @pytest.mark.parametrize("push, bidirectional, expected", [(False, False, 1000), (True, False, None),
@@ -163,31 +170,4 @@ def test_agent_without_progress_thread_starts_no_thread_and_reads() -> None:
         b, b_tids = _agent("kvtune-test-noprog-target")
     share = _running_share(a_tids | b_tids) if a_tids | b_tids else 0.0
     assert share <= 0.3, f"a thread of an agent without a progress thread was runnable in {share:.0%}"
-    src = np.arange(1 << 16, dtype=np.uint8)
-    dst = np.zeros_like(src)
-    reg_b = b.register_memory([(int(src.ctypes.data), src.nbytes, 0, "")], "DRAM")
-    reg_a = a.register_memory([(int(dst.ctypes.data), dst.nbytes, 0, "")], "DRAM")
-    try:
-        a.add_remote_agent(b.get_agent_metadata())
-        b.add_remote_agent(a.get_agent_metadata())
-        local = a.get_xfer_descs([(int(dst.ctypes.data), dst.nbytes, 0)], "DRAM")
-        remote = b.get_xfer_descs([(int(src.ctypes.data), src.nbytes, 0)], "DRAM")
-        handle = a.initialize_xfer("READ", local, remote, "kvtune-test-noprog-target", b"done")
-        assert a.transfer(handle) in ("PROC", "DONE")
-        deadline = time.monotonic() + 60
-        state = a.check_xfer_state(handle)
-        notifs: dict = {}
-        while time.monotonic() < deadline and (state == "PROC"
-                                               or not notifs.get("kvtune-test-noprog-reader")):
-            new = b.get_new_notifs()  # the target's own call is what advances it
-            for k, v in new.items():
-                notifs.setdefault(k, []).extend(v)
-            if state == "PROC":
-                state = a.check_xfer_state(handle)
-        assert state == "DONE"
-        assert np.array_equal(dst, src)
-        assert notifs["kvtune-test-noprog-reader"] == [b"done"]
-        a.release_xfer_handle(handle)
-    finally:
-        a.deregister_memory(reg_a)
-        b.deregister_memory(reg_b)
+    _read_and_notify(a, b, "kvtune-test-noprog-reader", "kvtune-test-noprog-target")

@@ -38,28 +38,26 @@ def _idle_wait(vllm_config: Any) -> IdleStepWait | None:
     return IdleStepWait(wait_ms) if wait_ms is not None else None
 
 
-class _PlainPullScheduler(NixlPullConnectorScheduler):
+class _IdleWaitHook:
+    """Mixed into vLLM's scheduler classes (before them in the MRO): the layout's idle wait."""
+
     def __init__(self, vllm_config: Any, engine_id: str, kv_cache_config: Any) -> None:
-        super().__init__(vllm_config, engine_id, kv_cache_config)
+        super().__init__(vllm_config, engine_id, kv_cache_config)  # vLLM's scheduler (MRO)
         self._idle_wait = _idle_wait(vllm_config)
 
     def build_connector_meta(self, scheduler_output: Any) -> Any:
-        meta = super().build_connector_meta(scheduler_output)
+        meta = super().build_connector_meta(scheduler_output)  # type: ignore[misc]
         if self._idle_wait is not None:
             self._idle_wait.after_schedule(scheduler_output)
         return meta
 
 
-class _PlainPushScheduler(NixlPushConnectorScheduler):
-    def __init__(self, vllm_config: Any, engine_id: str, kv_cache_config: Any) -> None:
-        super().__init__(vllm_config, engine_id, kv_cache_config)
-        self._idle_wait = _idle_wait(vllm_config)
+class _PlainPullScheduler(_IdleWaitHook, NixlPullConnectorScheduler):
+    pass
 
-    def build_connector_meta(self, scheduler_output: Any) -> Any:
-        meta = super().build_connector_meta(scheduler_output)
-        if self._idle_wait is not None:
-            self._idle_wait.after_schedule(scheduler_output)
-        return meta
+
+class _PlainPushScheduler(_IdleWaitHook, NixlPushConnectorScheduler):
+    pass
 
 
 class _PlainPullWorker(NixlPullConnectorWorker):
