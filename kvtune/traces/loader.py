@@ -296,6 +296,13 @@ class _Reader:
                     raise TraceSourceError(f"{url}: Tempo's answer is nested too deeply to be a "
                                            f"trace") from None
                 self.rows.skipped.append(Skipped(url, None, "answer nested too deeply"))
+            except TraceFormatError as exc:
+                # the file reader's depth cap (a TraceFormatError naming the field) is, for a
+                # Tempo answer, an answer that cannot be Tempo's: name the URL
+                if "nest" not in str(exc):
+                    raise
+                raise TraceSourceError(f"{url}: Tempo's answer is nested too deeply to be a "
+                                       f"trace ({exc})") from None
             fetched += 1
             bar.update(len(body))
         read = TempoRead(found, traces_fetched=fetched, spans_read=len(self.rows) - first_row,
