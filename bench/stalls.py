@@ -7,7 +7,7 @@ request is in flight, after warm-up), send the same N requests (sequential, prom
 cycling, two turns per conversation in bidirectional mode) while ``--hogs`` CPU-bound processes
 run beside the pair, and record each request's wall time. kvtune's spans (kvtune connector runs)
 say where stalled time went. Every leg over 20 s gets every server thread's stack dumped
-(``kvtune.local.watchdog``; files under ``<run>/work/stacks``).
+(``kvtune.local.watchdog``; files under ``stacks/`` in each run's pair workdir).
 
 Prints one table (requests over 1 s, p50/p99/max, idle cores, and per mode the ratio of kvtune's
 p50 to vLLM's p50: the proof that instrumentation is not what stalls), with the load average
