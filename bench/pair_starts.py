@@ -3,8 +3,8 @@ P/D warm-up (the first reverse contact included), per connector and layout.
 
 A start counts as hung when its warm-up needed the restart guard or failed; the watchdog dumps
 every server thread's stack for any warm-up leg past 20 s (``stacks/`` in each run's pair
-workdir), so a hang leaves its evidence. Prints, per (layout, connector): starts, clean starts, hangs, restarts and
-the start times (p50/max), with the load average before each start.
+workdir), so a hang leaves its evidence. Prints, per (layout, connector): starts, clean starts,
+hangs, restarts and the start times (p50/max), with the load average before each start.
 
     .venv/bin/python bench/pair_starts.py --starts 20 --connectors kvtune,vllm --layouts quiet
 """
