@@ -18,6 +18,7 @@ before each run; writes ``summary.json``, ``stalls.html`` and the spans into --o
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import subprocess
@@ -29,11 +30,20 @@ import numpy as np
 
 from kvtune.analysis import transfers
 from kvtune.analysis.stalls import STALL_MS, stall_diagnosis
-from kvtune.local.layout import LAYOUTS
+from kvtune.local.layout import LAYOUTS, PINNED
 from kvtune.local.pair import LocalPair
 from kvtune.local.watchdog import session_pids
 from kvtune.traces import load
 
+BENCH_LAYOUTS = {
+    **LAYOUTS,
+    # vLLM's and NIXL's CPU defaults with one change, the model in the engine's process: the
+    # smallest difference from what a user gets, for a report to vLLM.
+    "vllm-defaults-one-process": dataclasses.replace(
+        PINNED, name="vllm-defaults-one-process", pull_progress_delay_us=None,
+        one_process_engine=True),
+    "vllm-defaults": dataclasses.replace(PINNED, name="vllm-defaults", pull_progress_delay_us=None),
+}
 PROMPT_LENGTHS = (64, 256, 512, 1024)
 MAX_TOKENS = 4
 IDLE_SETTLE_S = 3.0
@@ -87,7 +97,8 @@ def run_one(layout: str, mode: str, connector: str, n: int, out: Path, hogs: int
     errors: list[str] = []
     t_start = time.monotonic()
     load_before = wait_for_quiet()
-    with LocalPair(mode, connector=connector, layout=layout, workdir=out / name / "work",
+    with LocalPair(mode, connector=connector, layout=BENCH_LAYOUTS[layout],
+                   workdir=out / name / "work",
                    spans_dir=spans_dir if connector == "kvtune" else None,
                    extra_env={"OTEL_BSP_SCHEDULE_DELAY": "200"},
                    recompute_threshold=1 if mode == "bidirectional" else None) as pair:
@@ -138,18 +149,21 @@ def run_one(layout: str, mode: str, connector: str, n: int, out: Path, hogs: int
 
 
 def table(results: list[dict]) -> str:
-    rows = ["| layout | mode | connector | requests | over 1 s | p50 ms | p99 ms | max ms | "
+    rows = ["| layout | mode | connector | CPU hogs | requests | over 1 s | p50 ms | p99 ms | max ms | "
             "idle cores (before/after) | load before | kvtune p50 / vLLM p50 |",
-            "|---|---|---|---|---|---|---|---|---|---|---|"]
-    p50 = {(r["layout"], r["mode"], r["connector"]): r["p50_ms"] for r in results}
+            "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    p50 = {(r["layout"], r["mode"], r["connector"], r.get("hogs", 0)): r["p50_ms"]
+           for r in results}
     for r in results:
-        k, v = (r["layout"], r["mode"], "kvtune"), (r["layout"], r["mode"], "vllm")
+        hogs = r.get("hogs", 0)
+        k, v = ((r["layout"], r["mode"], c, hogs) for c in ("kvtune", "vllm"))
         ratio = (f"{p50[k] / p50[v]:.2f}" if r["connector"] == "kvtune" and p50.get(k)
                  and p50.get(v) else "")
         fmt = (lambda x: f"{x:.0f}" if x is not None else "-")
-        rows.append(f"| {r['layout']} | {r['mode']} | {r['connector']} | {r['ok']}/{r['n']} | "
-                    f"{r['over_1s']} | {fmt(r['p50_ms'])} | {fmt(r['p99_ms'])} | "
-                    f"{fmt(r['max_ms'])} | {r['idle_cores']:.2f} / {r['idle_cores_after']:.2f} | "
+        rows.append(f"| {r['layout']} | {r['mode']} | {r['connector']} | {hogs} | "
+                    f"{r['ok']}/{r['n']} | {r['over_1s']} | {fmt(r['p50_ms'])} | "
+                    f"{fmt(r['p99_ms'])} | {fmt(r['max_ms'])} | "
+                    f"{r['idle_cores']:.2f} / {r['idle_cores_after']:.2f} | "
                     f"{r['load_before']:.2f} | {ratio} |")
     return "\n".join(rows)
 
@@ -159,8 +173,9 @@ def figure(results: list[dict]):
 
     fig = go.Figure()
     for r in results:
+        hogs = f"<br>{r['hogs']} hog(s)" if r.get("hogs") else ""
         fig.add_trace(go.Box(y=r["latencies_ms"], name=f"{r['mode']}<br>{r['connector']}"
-                             f"<br>{r['layout']}", boxpoints="all"))
+                             f"<br>{r['layout']}{hogs}", boxpoints="all"))
     fig.update_layout(title="Request time per mode and connector (ms, log scale)",
                       yaxis_type="log", yaxis_title="ms", showlegend=False)
     return fig
@@ -172,7 +187,8 @@ def main() -> int:
     ap.add_argument("--requests", type=int, default=30)
     ap.add_argument("--modes", default="pull,push,bidirectional")
     ap.add_argument("--connectors", default="kvtune,vllm")
-    ap.add_argument("--layouts", default="quiet", help=f"comma list of {sorted(LAYOUTS)}")
+    ap.add_argument("--layouts", default="quiet",
+                    help=f"comma list of {sorted(BENCH_LAYOUTS)}")
     ap.add_argument("--hogs", type=int, default=0,
                     help="CPU-bound processes running while requests are sent (default 0)")
     args = ap.parse_args()

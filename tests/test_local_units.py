@@ -50,10 +50,10 @@ def test_bad_pair_arguments_raise_a_kvtune_error(tmp_path, kwargs, match):
 @pytest.mark.parametrize("connector", ["kvtune", "vllm"])
 @pytest.mark.parametrize("mode", ["pull", "push", "bidirectional"])
 def test_kv_transfer_config_per_mode_and_connector(tmp_path, mode, connector):
-    """The default (pinned) layout: what the pair always ran, with vLLM's own connectors given
+    """The pinned layout: what the pair ran before the quiet one, with vLLM's own connectors given
     the same NIXL agent setting as kvtune's (pull: a sleeping progress thread)."""
     kwargs = {"ttl_s": 30, "recompute_threshold": 8} if mode == "bidirectional" else {}
-    pair = LocalPair(mode, connector=connector, workdir=tmp_path,
+    pair = LocalPair(mode, connector=connector, workdir=tmp_path, layout="pinned",
                      kv_extra_config={"num_threads": 2}, **kwargs)
     assert pair.layout is PINNED
     p, d = pair.kv_transfer_config("prefill"), pair.kv_transfer_config("decode")
@@ -98,10 +98,12 @@ def test_kv_transfer_config_per_mode_and_connector(tmp_path, mode, connector):
 @pytest.mark.parametrize("connector", ["kvtune", "vllm"])
 @pytest.mark.parametrize("mode", ["pull", "push", "bidirectional"])
 def test_quiet_layout_config(tmp_path, mode, connector):
-    """Quiet layout: no core binding, NIXL agents without a progress thread, bounded idle
-    stepping; vLLM's own connectors get exactly the same settings (kvtune.connectors.plain)."""
-    pair = LocalPair(mode, connector=connector, workdir=tmp_path, layout="quiet")
+    """Quiet layout (the default): the model in the engine's process, no core binding, NIXL agents
+    without a progress thread, bounded idle stepping; vLLM's own connectors get exactly the same
+    settings (kvtune.connectors.plain)."""
+    pair = LocalPair(mode, connector=connector, workdir=tmp_path)
     assert pair.layout is QUIET
+    assert LocalPair(mode, connector=connector, workdir=tmp_path, layout="quiet").layout is QUIET
     for role in ("prefill", "decode"):
         cfg = pair.kv_transfer_config(role)
         extra = cfg["kv_connector_extra_config"]
@@ -111,7 +113,9 @@ def test_quiet_layout_config(tmp_path, mode, connector):
         if connector == "vllm":
             assert cfg["kv_connector"] == PLAIN_CONNECTOR_CLASSES[mode]
             assert cfg["kv_connector_module_path"] == PLAIN_CONNECTOR_MODULE
-    assert QUIET.env(1) == {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"}
+    assert QUIET.env(1) == {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1",
+                            "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in PINNED.env(1)
     with pytest.raises(LocalPairError, match="layout"):
         LocalPair(mode, workdir=tmp_path, layout="crowded")
 
@@ -129,7 +133,7 @@ def test_progress_delay_can_be_turned_off_or_overridden(tmp_path):
     spinning = dataclasses.replace(PINNED, name="spinning", pull_progress_delay_us=None)
     off = LocalPair("pull", workdir=tmp_path, layout=spinning)
     assert PROGRESS_KEY not in off.kv_transfer_config("decode")["kv_connector_extra_config"]
-    per_role = LocalPair("push", workdir=tmp_path,
+    per_role = LocalPair("push", workdir=tmp_path, layout=PINNED,
                          role_kv_extra_config={"decode": {PROGRESS_KEY: 5000}})
     assert per_role.kv_transfer_config("decode")["kv_connector_extra_config"][PROGRESS_KEY] == 5000
     assert PROGRESS_KEY not in per_role.kv_transfer_config("prefill")["kv_connector_extra_config"]

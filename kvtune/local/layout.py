@@ -1,20 +1,23 @@
-"""How the local pair sits on this machine's cores, and how its NIXL agents make progress.
+"""How the local pair sits on this machine's cores, and how its engines and NIXL agents make progress.
 
 Two layouts, both real vLLM and real NIXL; they differ only in settings vLLM and NIXL expose:
 
-- ``PINNED`` (what the pair did before): each engine's OpenMP thread bound to its own core
-  (``VLLM_CPU_OMP_THREADS_BIND``), so every thread its worker starts inherits that one core, and
-  NIXL's default agent (a UCX progress thread that spins, plus vLLM's 4 UCX worker threads).
-- ``QUIET`` (the default): no core binding (one OpenMP thread per engine, ``OMP_NUM_THREADS=1``;
-  the kernel places every thread on whichever core is free), and NIXL agents without a progress
-  thread (``kvtune_nixl_progress_thread: false``, ``num_threads: 0``): UCX advances inside the
-  engine's own NIXL calls, which vLLM makes every engine step while a transfer or a lease is
-  pending. Nothing spins while the pair is idle.
+- ``QUIET`` (the default): the model runs inside the engine core's process (vLLM's ``uni`` executor,
+  :data:`ONE_PROCESS_ENV`), no core binding (one OpenMP thread per engine, ``OMP_NUM_THREADS=1``;
+  the kernel places every thread on whichever core is free), NIXL agents without a progress thread
+  (``kvtune_nixl_progress_thread: false``, ``num_threads: 0``: UCX advances inside the engine's own
+  NIXL calls, which vLLM makes every step while a transfer or a lease is pending), and an engine that
+  only holds blocks for a remote waits for work instead of stepping every millisecond
+  (``kvtune_idle_wait_ms``). Nothing polls while the pair is idle.
+- ``PINNED`` (what the pair did before session 5): vLLM's CPU defaults (a worker process per
+  server, its OpenMP thread bound to its own core, ``VLLM_CPU_OMP_THREADS_BIND``, so every thread
+  it starts inherits that core) and NIXL's default agent (a UCX progress thread that spins), with
+  the progress thread sleeping 1 ms in pull mode.
 
-Why (measured on this 2-core machine, see ``kvtune/local/README.md``): pinned, a worker's helper
-threads (NIXL's progress thread, vLLM's handshake and push-writer threads) share one core with the
-engine thread, and when two of them contend for a spin lock held by a preempted thread, requests
-stall for seconds to minutes.
+Why (measured on this 2-core machine, ``examples/stalls-side-by-side``): pinned, 3 to 14 of 30
+requests per mode took over 1 s (p99 up to 123 s) and the idle pair used 2 cores; quiet, none of 30
+in any mode (p99 under 0.2 s) and the idle pair uses 0.04 cores. The worker process's busy-polling
+and the spinning progress threads starved the engines (``kvtune/local/README.md``).
 """
 from __future__ import annotations
 
@@ -24,6 +27,16 @@ from typing import Any, Final
 from kvtune.connectors.idle import EXTRA_CONFIG_KEY as IDLE_WAIT_KEY
 from kvtune.connectors.progress import EXTRA_CONFIG_KEY as PROGRESS_DELAY_KEY
 from kvtune.connectors.progress import RECOMMENDED_DELAY_US, THREAD_KEY
+
+
+ONE_PROCESS_ENV: Final = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+"""vLLM's CPU platform switches a one-rank engine from the ``uni`` executor (the default on a GPU)
+to the multiprocess one unless ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` (``CpuPlatform.
+check_and_update_config``). The multiprocess executor puts the model in a third process per server
+that reads the engine's orders from a shared-memory queue, and that reader busy-polls
+(``sched_yield``) for one second after every order (``SpinCondition``, ``busy_loop_s=1``): on two
+cores the two workers' polling starved the engines. With ``0``, the API server still runs the engine
+core in its own process (``AsyncLLM`` always does), and the model runs inside it."""
 
 
 @dataclass(frozen=True)
@@ -41,6 +54,10 @@ class PairLayout:
     idle_wait_ms: int | None = None
     """``kvtune_idle_wait_ms``: bound on the wait between idle steps of an engine that only holds
     blocks for a remote (see :mod:`kvtune.connectors.idle`)."""
+    one_process_engine: bool = False
+    """Run the model in the engine core's own process (vLLM's ``uni`` executor, as on a GPU with one
+    rank) instead of the separate worker process vLLM's CPU platform forces: see
+    :data:`ONE_PROCESS_ENV`."""
     extra_env: dict[str, str] = field(default_factory=dict)
 
     def env(self, core: int) -> dict[str, str]:
@@ -49,6 +66,8 @@ class PairLayout:
             env = {"VLLM_CPU_OMP_THREADS_BIND": str(core)}
         else:
             env = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"}
+        if self.one_process_engine:
+            env.update(ONE_PROCESS_ENV)
         return {**env, **self.extra_env}
 
     def kv_extra_config(self, mode: str) -> dict[str, Any]:
@@ -65,7 +84,7 @@ class PairLayout:
 
 
 QUIET: Final = PairLayout("quiet", pin_cores=False, nixl_progress_thread=False,
-                          idle_wait_ms=1500)
+                          idle_wait_ms=1500, one_process_engine=True)
 PINNED: Final = PairLayout("pinned", pin_cores=True, nixl_progress_thread=True,
                            pull_progress_delay_us=RECOMMENDED_DELAY_US)
 LAYOUTS: Final = {layout.name: layout for layout in (QUIET, PINNED)}

@@ -34,7 +34,8 @@ from kvtune.connectors.idle import EXTRA_CONFIG_KEY as IDLE_WAIT_KEY
 from kvtune.connectors.progress import THREAD_KEY
 from kvtune.local import client, server
 from kvtune.local.errors import LocalPairError
-from kvtune.local.layout import LAYOUTS, PINNED, PairLayout
+from kvtune.local.fabric import ShapedLink
+from kvtune.local.layout import LAYOUTS, QUIET, PairLayout
 from kvtune.local.metrics import PromptTokenSources, prompt_token_sources
 from kvtune.local.server import HOST, SERVED_MODEL_NAME, VllmServer, free_ports, logs_report
 from kvtune.local.tiny_model import make_tiny_model
@@ -61,11 +62,12 @@ KVTUNE_CONNECTOR_MODULE: Final = "kvtune.connectors"
 PLAIN_CONNECTOR_MODULE: Final = "kvtune.connectors.plain"
 SPANS_DIR_ENV: Final = "KVTUNE_SPANS_DIR"
 """Environment variable that tells kvtune's connectors where to write OTLP-JSON span lines."""
-KV_LEASE_DURATION_S: Final = 120
-"""Prefill-side lease on blocks awaiting a READ; generous because transfers stall for seconds on a
-loaded 2-core machine (a 30 s lease expired before the decode read in early trials)."""
-REQUEST_TIMEOUT_S: Final = 300.0
-"""Per-leg HTTP timeout: single requests have stalled for up to a minute here."""
+KV_LEASE_DURATION_S: Final = 30
+"""Prefill-side lease on blocks awaiting a READ. The quiet layout's legs take well under a second;
+120 s was needed while engines starved (a 30 s lease expired before the decode read then)."""
+REQUEST_TIMEOUT_S: Final = 60.0
+"""Per-leg HTTP timeout: three times the hang watchdog's bound, far above the quiet layout's legs
+(p99 150 ms in ``examples/stalls-side-by-side``); a CI machine may be loaded."""
 DEFAULT_PREFILL_ENGINE_ID: Final = "kvtune-local-prefill"
 DEFAULT_DECODE_ENGINE_ID: Final = "kvtune-local-decode"
 WARMUP_PROMPT: Final = (11, 12, 13, 14, 15, 16, 17, 18)
@@ -75,9 +77,9 @@ PAIR_START_ATTEMPTS: Final = 2
 """Whole-pair starts: a P/D warm-up that fails every attempt stops both servers and starts anew
 (a worker that hangs in the first reverse contact of a bidirectional pair never recovers: vLLM's
 execute-model timeout kills its engine after minutes)."""
-WARMUP_LEG_TIMEOUT_S: Final = 150.0
-"""Per-leg HTTP timeout during the P/D warm-up (first-contact handshakes took up to 100 s on a
-loaded machine; a hung worker takes longer than this)."""
+WARMUP_LEG_TIMEOUT_S: Final = 60.0
+"""Per-leg HTTP timeout during the P/D warm-up (first-contact handshakes took up to 100 s on the
+starved pinned layout; under a second on the quiet one)."""
 WARMUP_MAX_OUTPUT_TOKENS: Final = 1024
 HANG_BOUND_S: Final = 20.0
 """A leg still running after this long gets every server thread's stack dumped (``stacks/`` in the
@@ -225,7 +227,7 @@ class LocalPair(_Servers):
                  prefill_engine_id: str = DEFAULT_PREFILL_ENGINE_ID,
                  decode_engine_id: str = DEFAULT_DECODE_ENGINE_ID,
                  cpu_cores: tuple[int, int] = (0, 1), warmup_transfer: bool = True,
-                 layout: PairLayout | str = PINNED) -> None:
+                 layout: PairLayout | str = QUIET, fabric: ShapedLink | None = None) -> None:
         if mode not in MODES:
             raise LocalPairError(f"LocalPair: mode expected one of {MODES}, got {mode!r}")
         if connector not in CONNECTORS:
@@ -248,6 +250,9 @@ class LocalPair(_Servers):
                                      f"got {layout!r}")
             layout = LAYOUTS[layout]
         self.layout = layout
+        self.fabric = fabric
+        """``None``: loopback (UCX picks shared memory or TCP on 127.0.0.1); a :class:`ShapedLink`
+        (opened by the caller): the decode runs in the link's namespace and NIXL uses TCP on it."""
         self.mode = mode
         self.connector = connector
         self.workdir = Path(workdir)
@@ -347,21 +352,25 @@ class LocalPair(_Servers):
             except LocalPairError as exc:
                 if pair_attempt == PAIR_START_ATTEMPTS or not self.warmup_transfer:
                     raise
-                _log.warning("LocalPair %s: P/D warm-up failed on start %d/%d; restarting both "
-                             "servers: %s", self.mode, pair_attempt, PAIR_START_ATTEMPTS,
-                             str(exc).splitlines()[0][:300])
+                # A guard, not a budget: the quiet layout had no hung start in 40 (bench/
+                # pair_starts.py); a restart here is a defect to report, with the stacks.
+                _log.error("LocalPair %s: HANG GUARD: the P/D warm-up failed on start %d/%d; "
+                           "restarting both servers (stacks, if a leg passed %g s: %s): %s",
+                           self.mode, pair_attempt, PAIR_START_ATTEMPTS, HANG_BOUND_S,
+                           self.workdir / "stacks", str(exc).splitlines()[0][:300])
         raise AssertionError("unreachable")
 
     def _start_once(self, model_dir: Path, env: dict[str, str]) -> None:
         p_port, d_port, p_side, d_side = free_ports(4)
-        self.prefill = VllmServer(
-            "prefill", model_dir=model_dir, workdir=self.workdir, port=p_port,
-            cpu_core=self.cpu_cores[0], kv_transfer_config=self.kv_transfer_config("prefill"),
-            env={**self.layout.env(self.cpu_cores[0]), **env}, side_channel_port=p_side)
-        self.decode = VllmServer(
-            "decode", model_dir=model_dir, workdir=self.workdir, port=d_port,
-            cpu_core=self.cpu_cores[1], kv_transfer_config=self.kv_transfer_config("decode"),
-            env={**self.layout.env(self.cpu_cores[1]), **env}, side_channel_port=d_side)
+        link = self.fabric
+        self.prefill, self.decode = (VllmServer(
+            role, model_dir=model_dir, workdir=self.workdir, port=port, cpu_core=core,
+            kv_transfer_config=self.kv_transfer_config(role),
+            env={**self.layout.env(core), **(link.env(role) if link else {}), **env},
+            side_channel_port=side, **({"host": link.host(role), "launch_prefix": link.prefix(role)}
+                                       if link else {}))
+            for role, port, side, core in (("prefill", p_port, p_side, self.cpu_cores[0]),
+                                           ("decode", d_port, d_side, self.cpu_cores[1])))
         self._servers = [self.prefill, self.decode]
         if self._watchdog is None:  # one per pair: its dump files are numbered across restarts
             self._watchdog = StackWatchdog(

@@ -29,7 +29,7 @@ HEALTH_TIMEOUT_S: Final = 300.0
 STOP_GRACE_S: Final = 20.0
 """SIGTERM -> SIGKILL grace period for a server's process group."""
 LOG_TAIL_LINES: Final = 60
-MAX_MODEL_LEN: Final = 2048
+MAX_MODEL_LEN: Final = 4096
 NUM_BLOCKS: Final = 256
 """``--num-gpu-blocks-override``: a small KV cache. With vLLM's default (16k blocks on CPU) the NIXL
 handshake registers 16k descriptors and takes ~12 s, and push handshakes time out."""
@@ -77,8 +77,13 @@ class VllmServer:
                  kv_transfer_config: Mapping[str, Any] | None = None,
                  env: Mapping[str, str] | None = None,
                  side_channel_port: int | None = None,
-                 extra_args: Sequence[str] = ()) -> None:
+                 extra_args: Sequence[str] = (), host: str = HOST,
+                 launch_prefix: Sequence[str] = ()) -> None:
         self.name = name
+        self.host = host
+        self.launch_prefix = list(launch_prefix)
+        """Command prefix the server starts under (``ip netns exec NS`` on a shaped fabric's
+        decode side: ``kvtune.local.fabric``)."""
         self.model_dir = Path(model_dir)
         self.workdir = Path(workdir) / name
         self.port = port
@@ -93,12 +98,12 @@ class VllmServer:
 
     @property
     def url(self) -> str:
-        return f"http://{HOST}:{self.port}"
+        return f"http://{self.host}:{self.port}"
 
     def command(self) -> list[str]:
-        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+        cmd = [*self.launch_prefix, sys.executable, "-m", "vllm.entrypoints.openai.api_server",
                "--model", str(self.model_dir), "--served-model-name", SERVED_MODEL_NAME,
-               "--host", HOST, "--port", str(self.port),
+               "--host", self.host, "--port", str(self.port),
                "--enforce-eager", "--max-model-len", str(MAX_MODEL_LEN),
                "--num-gpu-blocks-override", str(NUM_BLOCKS), "--dtype", "bfloat16",
                "--seed", str(SEED), "--uvicorn-log-level", "warning"]
@@ -121,7 +126,7 @@ class VllmServer:
             "VLLM_CPU_OMP_THREADS_BIND": str(self.cpu_core),
             "VLLM_CPU_KVCACHE_SPACE": str(KV_CACHE_SPACE_GIB),
             "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
-            "VLLM_NIXL_SIDE_CHANNEL_HOST": HOST,
+            "VLLM_NIXL_SIDE_CHANNEL_HOST": self.host,
             "PYTHONUNBUFFERED": "1",
             # A crash (SIGSEGV in a native library, say) prints every thread's Python stack.
             "PYTHONFAULTHANDLER": "1",

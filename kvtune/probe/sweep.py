@@ -71,6 +71,16 @@ class ProbeConfig:
     n_boot: int = 200
     seed: int = 0
     progress: bool = True
+    target_prefix: tuple[str, ...] = ()
+    """Command prefix the local target (``peer`` None) starts under, e.g. ``ip netns exec NS`` to
+    probe a shaped link (``kvtune.local.fabric.ShapedLink.probe_settings``)."""
+    target_bind: str = "127.0.0.1"
+    """Address the local target binds (its side of a shaped link)."""
+    fabric_env: tuple[tuple[str, str], ...] = ()
+    """Environment of both sides' NIXL agents (``UCX_TLS``, ``UCX_NET_DEVICES``) in
+    :func:`run_probe`; ``""`` unsets a variable."""
+    target_env: tuple[tuple[str, str], ...] = ()
+    """Environment for the local target only, on top of the fabric's (its UCX device, say)."""
 
     def validated(self) -> "ProbeConfig":
         """Checks every field; raises ``ConfigError`` naming the field and what was expected."""
@@ -132,7 +142,7 @@ def run_probe(config: ProbeConfig, *, tracer=None, flush: Callable[[], object] |
     background thread while a transfer is being timed (it would compete for the GIL).
     """
     cfg = config.validated()
-    return _run(cfg, {cfg.fabric: {}}, tracer, flush)[cfg.fabric]
+    return _run(cfg, {cfg.fabric: dict(cfg.fabric_env)}, tracer, flush)[cfg.fabric]
 
 
 def compare_fabrics(config: ProbeConfig, fabrics: Mapping[str, Mapping[str, str]], *,
@@ -204,7 +214,9 @@ def _run(cfg: ProbeConfig, fabrics: dict[str, dict[str, str]], tracer,
                     suffix = "" if len(fabrics) == 1 else f"-{_safe(name)}"
                     spans_path = Path(cfg.spans_dir) / TARGET_SPANS_FILE.replace(".jsonl", f"{suffix}.jsonl")
                 local = spawn_local_target(
-                    backend=cfg.backend, fabric=name, spans_path=spans_path, env=env,
+                    backend=cfg.backend, fabric=name, spans_path=spans_path,
+                    env={**env, **dict(cfg.target_env)}, bind=cfg.target_bind,
+                    launch_prefix=cfg.target_prefix,
                     max_mem_mb=max(cfg.max_mem_mb, g.buffer_bytes(capacity_blocks) >> 20) + 1)
                 local_targets.append(local)
                 host, port = local.host, local.port

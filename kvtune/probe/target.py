@@ -17,6 +17,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -320,11 +321,12 @@ class LocalTarget:
 
 def spawn_local_target(*, backend: str = DEFAULT_BACKEND, max_mem_mb: int = DEFAULT_TARGET_MAX_MEM_MB,
                        fabric: str = "", spans_path: str | Path | None = None,
-                       bind: str = "127.0.0.1", env: dict[str, str] | None = None) -> LocalTarget:
+                       bind: str = "127.0.0.1", env: dict[str, str] | None = None,
+                       launch_prefix: Sequence[str] = ()) -> LocalTarget:
     """Start ``python -m kvtune.probe serve --port 0 --max-sessions 1`` and wait until it listens.
     The child inherits ``os.environ`` (so ``UCX_*`` settings apply to both sides) updated with
     ``env`` (where ``""`` unsets a variable)."""
-    cmd = [sys.executable, "-m", "kvtune.probe", "serve", "--bind", bind, "--port", "0",
+    cmd = [*launch_prefix, sys.executable, "-m", "kvtune.probe", "serve", "--bind", bind, "--port", "0",
            "--backend", backend, "--max-mem-mb", str(max_mem_mb), "--max-sessions", "1"]
     if fabric:
         cmd += ["--fabric", fabric]

@@ -24,6 +24,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("-p", "--parameters", nargs=2, action="append", default=[],
                    metavar=("NAME", "VALUE"), help="notebook parameter (papermill style)")
     p.add_argument("-f", "--parameters-file", default=None, help="YAML file of parameters")
+    p.add_argument("--fabric", default="loopback", metavar="loopback|shaped:RATE",
+                   help="without --traces: the fabric kvtune's own pair and probe run on: loopback "
+                        "(default) or a veth link between two network namespaces shaped to RATE "
+                        "(e.g. shaped:200mbit; needs root, ip and tc)")
     p.add_argument("--notebooks", default=",".join(TUNE_NOTEBOOKS),
                    help="comma-separated notebooks to run (default: all)")
     p.set_defaults(func=run)
@@ -47,13 +51,19 @@ def load_parameters(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> int:
+    from kvtune.local.fabric import parse_fabric
     from kvtune.tune.run import run_tune
 
     params = load_parameters(args)
     if args.model:
         params["model_name"] = args.model
+    fabric = parse_fabric(args.fabric)
+    if args.traces and fabric.rate_mbit is not None:
+        raise ConfigError(f"--fabric {args.fabric}: applies only without --traces (it shapes the "
+                          f"link of the spans kvtune makes itself)")
     result = run_tune(args.traces, args.out, parameters=params,
-                      notebooks=[n for n in args.notebooks.split(",") if n])
+                      notebooks=[n for n in args.notebooks.split(",") if n],
+                      default_source={"fabric": fabric} if fabric.rate_mbit is not None else None)
     print(f"kvtune tune: done in {result.elapsed_s:.0f} s; trace source: {result.source} "
           f"({result.source_kind})")
     print(f"  report:          {result.report_html}")

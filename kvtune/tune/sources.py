@@ -9,6 +9,7 @@
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import random
 import threading
@@ -18,13 +19,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvtune.local.fabric import FabricSpec, ShapedLink
+
 log = logging.getLogger(__name__)
 
 PROBE_TOKENS = (16, 64, 256, 1024, 4096)
 """Probe sweep on the tiny model's geometry (tokens per rank): a few sizes, quick on 2 cores."""
 PROBE_ITERS = 10
-FIRST_PROMPT_TOKENS = (64, 320, 768)
-"""First-turn prompt lengths: three history sizes, so serving transfers span >= 3 sizes."""
+FIRST_PROMPT_TOKENS = (64, 512, 2560)
+"""First-turn prompt lengths: three history sizes, so the serving transfers span from one 128-token
+block (a short prompt, a turn's new tokens pulled back) to 21 blocks: over the 16x the floor fit needs
+to tell the per-transfer floor from the per-byte cost without the probe."""
 CONVERSATIONS_PER_SIZE = 2
 TURNS = 4
 NEW_TOKENS_PER_TURN = 48
@@ -69,22 +74,37 @@ def make_default_spans(spans_dir: str | Path, *, seed: int = 0, use_vllm: bool =
                        probe_tokens: Sequence[int] = PROBE_TOKENS,
                        first_prompt_tokens: Sequence[int] = FIRST_PROMPT_TOKENS,
                        conversations_per_size: int = CONVERSATIONS_PER_SIZE, turns: int = TURNS,
-                       budget_s: float = WORKLOAD_BUDGET_S) -> DefaultSpans:
-    """Make the default spans in ``spans_dir`` (see module doc) and say where they came from."""
+                       budget_s: float = WORKLOAD_BUDGET_S,
+                       fabric: FabricSpec = FabricSpec()) -> DefaultSpans:
+    """Make the default spans in ``spans_dir`` (see module doc) and say where they came from.
+    ``fabric``: loopback (default) or a shaped link (``kvtune.local.fabric``) that the probe and
+    the pair both run across."""
     out = Path(spans_dir)
     out.mkdir(parents=True, exist_ok=True)
-    fabric = "local-ucx"
-    probe = _probe(out / "probe", fabric, probe_tokens, seed)
+    with contextlib.ExitStack() as stack:
+        link = (stack.enter_context(ShapedLink(fabric.rate_mbit))
+                if fabric.rate_mbit is not None else None)
+        return _make(out, seed=seed, use_vllm=use_vllm, probe_tokens=probe_tokens,
+                     first_prompt_tokens=first_prompt_tokens,
+                     conversations_per_size=conversations_per_size, turns=turns,
+                     budget_s=budget_s, link=link, fabric=fabric.name)
+
+
+def _make(out: Path, *, seed: int, use_vllm: bool, probe_tokens: Sequence[int],
+          first_prompt_tokens: Sequence[int], conversations_per_size: int, turns: int,
+          budget_s: float, link: ShapedLink | None, fabric: str) -> DefaultSpans:
+    probe = _probe(out / "probe", fabric, probe_tokens, seed, link)
     details: dict[str, Any] = {"probe_floor_ms": getattr(probe, "floor_ms", None)}
+    on = f" over {fabric}" if link is not None else ""
     if use_vllm:
         try:
             stats = _pair(out, seed=seed, first_prompt_tokens=first_prompt_tokens,
                           conversations_per_size=conversations_per_size, turns=turns,
-                          budget_s=budget_s)
+                          budget_s=budget_s, link=link)
             details.update(stats)
             return DefaultSpans(out, "vllm-pair",
                                 f"probe (NIXL, 2 processes) + local vLLM pair (bidirectional, kvtune "
-                                f"connectors) through the kvtune router: {stats['requests_ok']} "
+                                f"connectors){on} through the kvtune router: {stats['requests_ok']} "
                                 f"requests in {stats['conversations']} conversations", fabric,
                                 details, tiny_model_dir())
         except Exception as exc:  # noqa: BLE001 - any failure of the pair falls back to the sim
@@ -114,11 +134,13 @@ def tiny_geometry() -> Any:
     return from_hf_config(make_tiny_model(default_model_dir()) / "config.json", 1)
 
 
-def _probe(spans_dir: Path, fabric: str, tokens: Sequence[int], seed: int) -> Any:
+def _probe(spans_dir: Path, fabric: str, tokens: Sequence[int], seed: int,
+           link: ShapedLink | None = None) -> Any:
     from kvtune.probe.sweep import ProbeConfig, run_and_write
 
     cfg = ProbeConfig(geometry=tiny_geometry(), tokens=tuple(tokens), iters=PROBE_ITERS, warmup=2,
-                      fabric=fabric, spans_dir=spans_dir, seed=seed, progress=True)
+                      fabric=fabric, spans_dir=spans_dir, seed=seed, progress=True,
+                      **(link.probe_settings() if link is not None else {}))
     return run_and_write(cfg)  # initiator spans too, not only the target's
 
 
@@ -154,14 +176,16 @@ def _sim(spans_dir: Path, probe: Any, seed: int) -> int:
 
 
 def _pair(out: Path, *, seed: int, first_prompt_tokens: Sequence[int],
-          conversations_per_size: int, turns: int, budget_s: float) -> dict[str, Any]:
+          conversations_per_size: int, turns: int, budget_s: float,
+          link: ShapedLink | None = None) -> dict[str, Any]:
     from kvtune import spans as S
     from kvtune.local.pair import LocalPair
     from kvtune.router import InstanceConfig, RouterConfig, RouterProcess
 
     workdir = out.parent / "pair-work"
     with LocalPair("bidirectional", connector="kvtune", workdir=workdir / "pair",
-                   spans_dir=out / "pair", recompute_threshold=RECOMPUTE_THRESHOLD) as pair:
+                   spans_dir=out / "pair", recompute_threshold=RECOMPUTE_THRESHOLD,
+                   fabric=link) as pair:
         cfg = RouterConfig(prefill=(InstanceConfig(pair.prefill_url),),
                            decode=(InstanceConfig(pair.decode_url),),
                            mode=S.Mode.BIDIRECTIONAL, state=f"sqlite:{workdir}/router-state.db",
