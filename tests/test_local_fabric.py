@@ -78,3 +78,14 @@ def test_pull_pair_moves_kv_across_the_shaped_link(tmp_path, model_dir, referenc
             assert result.kv_transfer_params["remote_host"] == link.prefill_ip
             kv_bytes = len(prompt) * 1024 // 2  # at least half the tiny model's 1 KiB per token
             assert moved >= kv_bytes, (moved, kv_bytes)
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["tune", "--traces", "x.jsonl", "--fabric", "shaped:1gbit"], "applies only without --traces"),
+    (["tune", "--fabric", "wifi"], "expected 'loopback' or 'shaped:RATE'")])
+def test_tune_rejects_a_bad_fabric_before_running_anything(argv, match, capsys, tmp_path):
+    from kvtune.cli import main
+
+    assert main(argv + ["--out", str(tmp_path / "out")]) == 2
+    assert match in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()

@@ -1,0 +1,114 @@
+"""Run-to-run spread of `kvtune tune`'s embedded default on this machine: N runs, one after another.
+
+Each run makes its own spans (probe + the local vLLM pair through the router), so the spread is
+the whole chain's: pair, workload, fits, bootstraps. Prints per run the three recommended values
+with their ranges, the findings, the serving requests over 1 s (kvtune's stall diagnosis) and the
+serving transfers' size span (largest / smallest bytes: the floor fit needs >= 16x); then whether
+the threshold ranges overlap, whether the mode is the same, and the spread of each value. The load
+average before each run is printed with it (one heavy job at a time).
+
+    .venv/bin/python bench/tune_spread.py --runs 3 --out out/tune-spread [--fabric shaped:200mbit]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+
+def run_once(out: Path, fabric: str) -> dict:
+    load = os.getloadavg()[0]
+    t0 = time.monotonic()
+    cmd = [sys.executable, "-m", "kvtune.cli", "tune", "--out", str(out), "--fabric", fabric]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    elapsed = time.monotonic() - t0
+    if proc.returncode != 0:
+        return {"out": str(out), "error": proc.stderr[-2000:], "load_before": load,
+                "elapsed_s": elapsed}
+    rec = json.loads((out / "configs" / "recommendation.json").read_text())
+    recs = rec.get("recommendations", rec)
+    row = {"out": str(out), "load_before": load, "elapsed_s": elapsed,
+           "findings": sorted(f["code"] for f in rec.get("findings", []))}
+    for key in ("kv_recompute_threshold", "decoder_kv_blocks_ttl", "mode"):
+        item = recs[key]
+        row[key] = {"value": item["value"], "range": item.get("range")}
+    row.update(serving_stats(out / "spans"))
+    return row
+
+
+def serving_stats(spans_dir: Path) -> dict:
+    """Requests over 1 s and the serving transfers' size span, from the run's own spans."""
+    from kvtune.analysis import transfers
+    from kvtune.analysis.stalls import stall_diagnosis
+    from kvtune.traces import load
+
+    spans = load(spans_dir)
+    tr = transfers(spans)
+    serving = tr[(tr["mode"].astype("object") != "probe").to_numpy(dtype=bool)]
+    diag = stall_diagnosis(serving, spans)
+    b = serving["bytes"].dropna().astype(float)
+    return {"requests": diag.n_requests, "requests_over_1s": diag.n_stalled,
+            "request_p50_ms": diag.p50_ms, "request_p99_ms": diag.p99_ms,
+            "serving_transfers": int(len(serving)),
+            "transfer_size_span": float(b.max() / b.min()) if len(b) and b.min() > 0 else None}
+
+
+def summarize(rows: list[dict]) -> str:
+    ok = [r for r in rows if "error" not in r]
+    lines = ["| run | load before | s | threshold (range) | TTL s (range) | mode (range) | "
+             "requests over 1 s | p99 ms | transfer size span | findings |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for i, r in enumerate(rows, 1):
+        if "error" in r:
+            lines.append(f"| {i} | {r['load_before']:.2f} | {r['elapsed_s']:.0f} | FAILED | | | | | | |")
+            continue
+        th, ttl, mode = r["kv_recompute_threshold"], r["decoder_kv_blocks_ttl"], r["mode"]
+        span = f"{r['transfer_size_span']:.1f}x" if r["transfer_size_span"] else "-"
+        lines.append(
+            f"| {i} | {r['load_before']:.2f} | {r['elapsed_s']:.0f} | {th['value']} {th['range']} | "
+            f"{ttl['value']} {ttl['range']} | {mode['value']} {mode['range']} | "
+            f"{r['requests_over_1s']}/{r['requests']} | {r['request_p99_ms']:.0f} | "
+            f"{span} | {', '.join(r['findings'])} |")
+    if len(ok) >= 2:
+        lows = [r["kv_recompute_threshold"]["range"][0] for r in ok]
+        highs = [r["kv_recompute_threshold"]["range"][1] for r in ok]
+        overlap = max(lows) <= min(highs)
+        modes = {r["mode"]["value"] for r in ok}
+        th = np.array([r["kv_recompute_threshold"]["value"] for r in ok], dtype=float)
+        ttl = np.array([r["decoder_kv_blocks_ttl"]["value"] for r in ok], dtype=float)
+        lines += ["",
+                  f"threshold ranges overlap: {overlap} (common part [{max(lows)}, {min(highs)}])",
+                  f"mode the same in every run: {len(modes) == 1} ({sorted(modes)})",
+                  f"threshold spread: {th.min():g}-{th.max():g} tokens (max/min "
+                  f"{th.max() / max(th.min(), 1e-9):.2f}); TTL spread: {ttl.min():g}-{ttl.max():g} s",
+                  f"fit_from_probe in any run: {any('fit_from_probe' in r['findings'] for r in ok)}"]
+    return "\n".join(lines)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--out", default="out/tune-spread")
+    ap.add_argument("--fabric", default="loopback")
+    args = ap.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for i in range(args.runs):
+        print(f"run {i + 1}/{args.runs} (load average {os.getloadavg()[0]:.2f})", file=sys.stderr)
+        rows.append(run_once(out / f"run-{i + 1}", args.fabric))
+        (out / "summary.json").write_text(json.dumps(rows, indent=2))
+    text = summarize(rows)
+    (out / "table.md").write_text(text + "\n")
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
