@@ -90,3 +90,13 @@ def test_kvtune_spans_carry_the_layout_and_are_analysable(run, delay) -> None:
     assert diag.dominant_phase == row["stall_phase"]
     if layout == "quiet":
         assert diag.n_stalled == 0  # kvtune's own analysis agrees: nothing over 1 s
+
+
+def test_twenty_bidirectional_starts_per_connector_without_a_hang() -> None:
+    starts = {r["connector"]: r for r in json.loads(
+        (EXAMPLE / "pair-starts-summary.json").read_text())}
+    assert set(starts) == {"kvtune", "vllm"}
+    for r in starts.values():
+        assert r["layout"] == "quiet" and r["starts"] == 20
+        assert r["hung_starts"] == r["restarts"] == r["warmup_failures"] == 0
+        assert r["stack_dump_legs"] == 0
