@@ -12,7 +12,7 @@ setup-test:
 	bash scripts/setup.sh --test
 
 tune: setup
-	.venv/bin/kvtune tune --out $(OUT)
+	.venv/bin/kvtune tune --out $(OUT) --fabric auto
 
 # The whole suite on .venv's vLLM (0.32.0 on CPU machines), then the connector suite on 0.33.0.
 # Each run prints "kvtune connector suite on vLLM X: N passed, ...".

@@ -26,7 +26,19 @@ def test_fabric_specs_parse(spec, rate):
     assert parse_fabric(spec) == FabricSpec(rate)
 
 
-@pytest.mark.parametrize("spec, match", [("tcp", "loopback' or 'shaped:RATE"),
+def test_auto_is_the_shaped_gigabit_link_where_one_can_be_built(monkeypatch):
+    import kvtune.local.fabric as F
+
+    monkeypatch.setattr(F, "check_can_shape", lambda: None)
+    assert parse_fabric("auto") == FabricSpec(F.AUTO_RATE_MBIT)
+
+    def refuse() -> None:
+        raise FabricError("shaped fabric: needs root")
+    monkeypatch.setattr(F, "check_can_shape", refuse)
+    assert parse_fabric("auto") == FabricSpec()
+
+
+@pytest.mark.parametrize("spec, match", [("tcp", "'loopback', 'auto' or 'shaped:RATE'"),
                                          ("shaped:", "RATE expected a number"),
                                          ("shaped:fast", "RATE expected a number"),
                                          ("shaped:200tbit", "RATE expected a number"),
@@ -82,7 +94,7 @@ def test_pull_pair_moves_kv_across_the_shaped_link(tmp_path, model_dir, referenc
 
 @pytest.mark.parametrize("argv, match", [
     (["tune", "--traces", "x.jsonl", "--fabric", "shaped:1gbit"], "applies only without --traces"),
-    (["tune", "--fabric", "wifi"], "expected 'loopback' or 'shaped:RATE'")])
+    (["tune", "--fabric", "wifi"], "expected 'loopback', 'auto' or 'shaped:RATE'")])
 def test_tune_rejects_a_bad_fabric_before_running_anything(argv, match, capsys, tmp_path):
     from kvtune.cli import main
 

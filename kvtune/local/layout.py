@@ -7,8 +7,9 @@ Two layouts, both real vLLM and real NIXL; they differ only in settings vLLM and
   the kernel places every thread on whichever core is free), NIXL agents without a progress thread
   (``kvtune_nixl_progress_thread: false``, ``num_threads: 0``: UCX advances inside the engine's own
   NIXL calls, which vLLM makes every step while a transfer or a lease is pending), and an engine that
-  only holds blocks for a remote waits for work instead of stepping every millisecond
-  (``kvtune_idle_wait_ms``). Nothing polls while the pair is idle.
+  only holds blocks for a remote steps every 20 ms instead of every millisecond
+  (``kvtune_idle_wait_ms``; it must still step, because a remote's READ of those blocks over UCX's
+  TCP or shared-memory transports progresses only when the target calls into NIXL).
 - ``PINNED`` (what the pair did before session 5): vLLM's CPU defaults (a worker process per
   server, its OpenMP thread bound to its own core, ``VLLM_CPU_OMP_THREADS_BIND``, so every thread
   it starts inherits that core) and NIXL's default agent (a UCX progress thread that spins), with
@@ -84,7 +85,7 @@ class PairLayout:
 
 
 QUIET: Final = PairLayout("quiet", pin_cores=False, nixl_progress_thread=False,
-                          idle_wait_ms=1500, one_process_engine=True)
+                          idle_wait_ms=20, one_process_engine=True)
 PINNED: Final = PairLayout("pinned", pin_cores=True, nixl_progress_thread=True,
                            pull_progress_delay_us=RECOMMENDED_DELAY_US)
 LAYOUTS: Final = {layout.name: layout for layout in (QUIET, PINNED)}

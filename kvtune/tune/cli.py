@@ -24,10 +24,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("-p", "--parameters", nargs=2, action="append", default=[],
                    metavar=("NAME", "VALUE"), help="notebook parameter (papermill style)")
     p.add_argument("-f", "--parameters-file", default=None, help="YAML file of parameters")
-    p.add_argument("--fabric", default="loopback", metavar="loopback|shaped:RATE",
+    p.add_argument("--fabric", default="loopback", metavar="loopback|auto|shaped:RATE",
                    help="without --traces: the fabric kvtune's own pair and probe run on: loopback "
-                        "(default) or a veth link between two network namespaces shaped to RATE "
-                        "(e.g. shaped:200mbit; needs root, ip and tc)")
+                        "(default), a veth link to a network namespace shaped to RATE (e.g. "
+                        "shaped:200mbit; needs root, ip and tc), or auto (shaped:1gbit where "
+                        "possible, else loopback; what `make tune` uses)")
     p.add_argument("--notebooks", default=",".join(TUNE_NOTEBOOKS),
                    help="comma-separated notebooks to run (default: all)")
     p.set_defaults(func=run)
