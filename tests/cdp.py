@@ -60,6 +60,11 @@ class Chromium:
         self.page.call("Runtime.enable")
         self.page.call("Emulation.setDeviceMetricsOverride", width=self.width,
                        height=self.height, deviceScaleFactor=1, mobile=False)
+        # A headless page has no window focus until an input event gives it one, and until then
+        # element.focus() fires no focus event: JupyterLab's shell, which tracks the current
+        # widget by focus events, has none, so its notebook commands (Run All) are disabled.
+        # The page behaves as a focused window, as it would for a person at a desktop.
+        self.page.call("Emulation.setFocusEmulationEnabled", enabled=True)
         return self.page
 
     def __exit__(self, *exc: Any) -> None:

@@ -24,7 +24,7 @@ LAB_NOTEBOOK = "fabric_floor"
 """Run in the browser test: the notebook with the most figures (one per fit, phases, efficiency)."""
 LAB_START_S = 120
 RUN_ALL_S = 420
-START_S = 60
+UI_S = 60
 
 
 @pytest.fixture(scope="module")
@@ -90,11 +90,6 @@ def _has(module: str) -> bool:
     return importlib.util.find_spec(module) is not None
 
 
-@pytest.mark.skipif(
-    os.environ.get("KVTUNE_LAB_BROWSER") != "1",
-    reason="JupyterLab's Run All started no cell within 7 min in two runs from a fresh clone on "
-           "the loaded 2-core machine (it passed in its author's runs); until the cause is found "
-           "this browser test runs only with KVTUNE_LAB_BROWSER=1")
 @pytest.mark.skipif(not _has("jupyterlab"), reason="jupyterlab is not installed (the notebooks "
                                                    "extra installs it: pip install -e '.[notebooks]')")
 @pytest.mark.skipif(not _has("websockets"), reason="websockets (dev extra) drives Chromium")
@@ -153,6 +148,18 @@ CELL_STATE = """(() => {
       .map(e => e.textContent).filter(t => /Traceback|Error: /.test(t));
   return {n: cells.length, prompts: prompts.map(p => p.trim()), errors: errors.slice(0, 3)};
 })()"""
+UI_STATE = """(() => {
+  const tab = document.querySelector(
+      '.lm-DockPanel .lm-TabBar-tab.jp-mod-current .lm-TabBar-tabLabel');
+  const kernel = [...document.querySelectorAll('.jp-StatusBar-Item, .jp-StatusBar-TextItem')]
+      .map(e => e.textContent.trim()).find(t => / \\| [A-Z][a-z]+$/.test(t));
+  return {current: tab ? tab.textContent.trim() : null, kernel: kernel || null,
+          dialogs: [...document.querySelectorAll('.jp-Dialog')].map(d => d.textContent),
+          cells: document.querySelectorAll('.jp-Notebook .jp-CodeCell').length};
+})()"""
+"""What JupyterLab shows: the current tab (the one its commands act on), the status bar's kernel
+item ("Python 3 (ipykernel) | Idle"; shown only for the current notebook once it has a kernel),
+open dialogs, and the cells rendered."""
 PLOTS = """(() => [...document.querySelectorAll('.jp-Notebook .js-plotly-plot')].map(p => ({
   svg: p.querySelectorAll('.main-svg').length, traces: p.querySelectorAll('g.trace').length,
   w: p.getBoundingClientRect().width, h: p.getBoundingClientRect().height})))()"""
@@ -160,15 +167,16 @@ PLOTS = """(() => [...document.querySelectorAll('.jp-Notebook .js-plotly-plot')]
 
 def _menu(page, label: str, *items: str) -> None:
     """Open the menu bar's ``label`` menu and click its first item labelled one of ``items``
-    (real clicks)."""
+    (real clicks), once JupyterLab shows that item enabled."""
     idx = page.eval(f"[...document.querySelectorAll('.lm-MenuBar-item')].findIndex(e => "
                     f"e.textContent.trim() === {json.dumps(label)})")
     assert idx is not None and idx >= 0, f"no {label!r} menu in JupyterLab's menu bar"
     page.click(f".lm-MenuBar-item:nth-child({idx + 1})")
     find = (f"[...document.querySelectorAll('.lm-Menu-item')].findIndex(e => "
             f"{json.dumps(list(items))}.includes("
-            f"(e.querySelector('.lm-Menu-itemLabel') || e).textContent.trim()))")
-    page.wait_for(f"{find} >= 0", timeout_s=20, what=f"menu item {items!r}")
+            f"(e.querySelector('.lm-Menu-itemLabel') || e).textContent.trim()) && "
+            f"!e.classList.contains('lm-mod-disabled'))")
+    page.wait_for(f"{find} >= 0", timeout_s=UI_S, what=f"menu item {items!r}, enabled")
     n = page.eval(find)
     page.eval(f"document.querySelectorAll('.lm-Menu-item')[{n}].setAttribute('data-kvtune-click', '1')")
     page.click('.lm-Menu-item[data-kvtune-click="1"]')
@@ -180,29 +188,24 @@ def _run_all_and_check(page, base: str, token: str, nb_path: Path, shots: Path) 
     def done(state: dict) -> bool:
         return bool(state["n"]) and all(p[1:-2].isdigit() for p in state["prompts"])
 
-    def started(state: dict) -> bool:
-        return any(p not in ("[ ]:", "") for p in state["prompts"])
-
-    # On a loaded machine JupyterLab can attach the page to a kernel it is shutting down (two
-    # kernels start, one is shut down at once; the log says so), and Run All then does nothing:
-    # the page is opened again once, and only then is a run that never starts a failure.
-    for attempt in (1, 2):
-        page.goto(f"{base}/lab/tree/{nb_path.name}?token={token}",
-                  ready="document.querySelectorAll('.jp-Notebook .jp-CodeCell').length > 0",
-                  timeout_s=LAB_START_S)
-        page.wait_for("/Idle/.test(document.body.textContent)", timeout_s=LAB_START_S,
-                      what="the kernel to start (status bar: Idle)")
-        time.sleep(1)
-        _menu(page, "Run", "Run All Cells")
-        start_by = time.monotonic() + START_S
-        state = page.eval(CELL_STATE)
-        while not started(state) and time.monotonic() < start_by:
-            time.sleep(2)
-            state = page.eval(CELL_STATE)
-        if started(state):
-            break
-        print(f"JupyterLab: Run All started no cell within {START_S} s (attempt {attempt}); "
-              "opening the notebook again", file=sys.stderr)
+    page.goto(f"{base}/lab/tree/{nb_path.name}?token={token}",
+              ready="document.querySelectorAll('.jp-Notebook .jp-CodeCell').length > 0",
+              timeout_s=LAB_START_S)
+    # Run All acts on the current notebook, and runs in its kernel only once the session has one:
+    # wait until JupyterLab shows both (the notebook's tab current, the status bar's kernel item
+    # Idle) and no dialog is open. Body text is no sign: the notebook toolbar says "Idle" before
+    # the session has a kernel.
+    ui = page.wait_for(
+        f"(s => s.current === {json.dumps(nb_path.name)} && / \\| Idle$/.test(s.kernel || '') && "
+        f"!s.dialogs.length && s.cells > 0 ? s : JSON.stringify(s))({UI_STATE})",
+        timeout_s=LAB_START_S, what="the notebook current, its kernel Idle, no dialog")
+    page.screenshot(shots / "lab-ready.png")
+    assert page.eval(CELL_STATE)["prompts"] == ["[ ]:"] * ui["cells"]  # nothing ran yet
+    _menu(page, "Run", "Run All Cells")
+    # Run All queues every cell at once: each prompt is [*] (queued or running) or a number.
+    state = page.wait_for(
+        f"(s => s.n && s.prompts.every(p => p !== '[ ]:') ? s : JSON.stringify(s))({CELL_STATE})",
+        timeout_s=UI_S, what="Run All to queue every cell")
     deadline = time.monotonic() + RUN_ALL_S
     while not done(state) and not state["errors"] and time.monotonic() < deadline:
         time.sleep(2)
