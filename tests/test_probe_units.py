@@ -115,7 +115,7 @@ UCX_LOG = """\
 [1.1] [vm:1:0]     ucp_context.c:2753 UCX  INFO  Version 1.23.0 (loaded from /x/libucp.so)
 [1.2] [vm:1:0]      ucp_worker.c:1997 UCX  INFO    a self cfg#0 rma_am(tcp/lo)  am(tcp/lo cma/memory)
 [1.3] [vm:1:0]      ucp_worker.c:1997 UCX  INFO    a intra-node cfg#1 rma(rc_mlx5/mlx5_0:1)  am(rc_mlx5/mlx5_0:1 cma/memory)  ka(ud_mlx5/mlx5_0:1)
-"""
+"""  # noqa: E501 - UCX's log lines, verbatim
 
 
 def test_parse_ucx_log_reads_peer_lanes_not_self():

@@ -118,7 +118,7 @@ def test_sqlite_state_survives_reopen(tmp_path):
     again = SqliteConversationStore(tmp_path / "s.db", params_ttl_s=60, clock=clock)
     start = again.begin_turn("c")
     assert start.turn == 2 and start.kv_transfer_params == PARAMS
-    mode = again._db.execute("PRAGMA journal_mode").fetchone()[0]  # noqa: SLF001
+    mode = again._db.execute("PRAGMA journal_mode").fetchone()[0]
     assert mode == "wal"
     store.close()
     again.close()

@@ -138,7 +138,7 @@ def test_sse_watcher_bounds_its_buffer_and_finds_params_after_a_huge_line():
     huge = b"data: " + b"x" * (SSE_MAX_LINE_BYTES + 10)
     for i in range(0, len(huge), 1 << 20):  # 1 MiB chunks, no newline for over 16 MiB
         w.feed(huge[i:i + (1 << 20)])
-        assert len(w._buf) <= SSE_MAX_LINE_BYTES + (1 << 20)  # noqa: SLF001
+        assert len(w._buf) <= SSE_MAX_LINE_BYTES + (1 << 20)
     final = b'\n\ndata: {"choices": [{"text": "t"}], "kv_transfer_params": {"remote_block_ids": [[1]]}}\n'
     for byte in final:  # and split anywhere
         w.feed(bytes([byte]))

@@ -259,7 +259,7 @@ def test_dead_otlp_endpoint_costs_dropped_spans_not_errors(protocol: str,
 class _OtlpReceiver(BaseHTTPRequestHandler):
     received: list[ExportTraceServiceRequest] = []
 
-    def do_POST(self) -> None:  # noqa: N802
+    def do_POST(self) -> None:
         body = self.rfile.read(int(self.headers["Content-Length"]))
         req = ExportTraceServiceRequest()
         req.ParseFromString(body)
@@ -347,7 +347,7 @@ def test_otlp_grpc_export_reaches_a_receiver() -> None:
     received: list[ExportTraceServiceRequest] = []
 
     class Receiver(trace_service_pb2_grpc.TraceServiceServicer):
-        def Export(self, request, context):  # noqa: N802
+        def Export(self, request, context):
             received.append(request)
             return trace_service_pb2.ExportTraceServiceResponse()
 

@@ -29,7 +29,7 @@ class StandInTempo(BaseHTTPRequestHandler):
     requests: list[tuple[str, dict[str, list[str]]]] = []
     search_status = 200
 
-    def do_GET(self) -> None:  # noqa: N802
+    def do_GET(self) -> None:
         parts = urllib.parse.urlsplit(self.path)
         type(self).requests.append((parts.path, urllib.parse.parse_qs(parts.query)))
         if self.headers.get("Accept") != "application/json":
@@ -151,7 +151,7 @@ def test_tempo_errors(tempo: str) -> None:
             load(TempoSource(f"http://127.0.0.1:{port}", timeout_s=5))
 
 
-class socket_closed:  # noqa: N801 - context manager giving a port nobody listens on
+class socket_closed:  # context manager giving a port nobody listens on
     def __enter__(self) -> int:
         import socket
         with socket.socket() as s:

@@ -13,8 +13,8 @@ methods are missing, then either the connectors run *uninstrumented* (exactly vL
 with a warning) or, with ``kv_connector_extra_config: {"kvtune_strict": true}``, they refuse with
 :class:`~kvtune.errors.ConnectorError`. They are never half-instrumented.
 
-``python -m kvtune.connectors.compat`` (or ``kvtune doctor``) prints the installed vLLM and NIXL versions and the outcome
-(exit status 0 when the version is supported and every method was found).
+``python -m kvtune.connectors.compat`` (or ``kvtune doctor``) prints the installed vLLM and NIXL
+versions and the outcome (exit status 0 when the version is supported and every method was found).
 """
 from __future__ import annotations
 
@@ -228,7 +228,7 @@ def find_missing(table: tuple[WrappedMethod, ...] | None = None, package: str = 
         metadata = importlib.import_module(f"{package}.metadata").NixlConnectorMetadata()
         missing.extend(f"NixlConnectorMetadata.{f}" for f in METADATA_FIELDS
                        if not hasattr(metadata, f))
-    except Exception:  # noqa: BLE001 - any failure here is a mismatch
+    except Exception:  # any failure here is a mismatch
         missing.append("metadata.NixlConnectorMetadata")
     try:
         from nixl._api import nixl_agent

@@ -157,7 +157,8 @@ class Target(Protocol):
 class HttpTarget:
     """An OpenAI-compatible ``/v1/completions`` endpoint (kvtune's router, or one vLLM server).
 
-    The conversation id goes in the ``spans.CONVERSATION_HEADER`` header, the request id in ``X-Request-Id``. Streams by default, to time the first token.
+    The conversation id goes in the ``spans.CONVERSATION_HEADER`` header, the request id in
+    ``X-Request-Id``. Streams by default, to time the first token.
     """
 
     def __init__(self, url: str, *, model: str = SERVED_MODEL_NAME, stream: bool = True,

@@ -142,7 +142,7 @@ def _confidence(rec: Mapping[str, Any]) -> tuple[str, ...]:
     if fq:
         r2, n = fq.get("r2"), fq.get("n_transfers")
         quality = ("good" if isinstance(r2, (int, float)) and r2 >= GOOD_R2 else "weak")
-        few = (f" — few transfers, wide intervals" if isinstance(n, int) and n < MIN_TRANSFERS
+        few = (" — few transfers, wide intervals" if isinstance(n, int) and n < MIN_TRANSFERS
                else "")
         line = (f"Fabric fit: {quality} (R² {fmt_num(r2)}) on {fmt_num(n)} transfers, "
                 f"{fmt_num(fq.get('n_sizes'))} sizes, {fmt_num(fq.get('n_outliers'))} outliers "

@@ -87,7 +87,7 @@ def make_default_spans(spans_dir: str | Path, *, seed: int = 0, use_vllm: bool =
                                 f"connectors) through the kvtune router: {stats['requests_ok']} "
                                 f"requests in {stats['conversations']} conversations", fabric,
                                 details, tiny_model_dir())
-        except Exception as exc:  # noqa: BLE001 - any failure of the pair falls back to the sim
+        except Exception as exc:  # any failure of the pair falls back to the sim
             log.warning("the local vLLM pair could not produce spans (%s: %s); the simulator "
                         "stands in", type(exc).__name__, exc)
             details["pair_error"] = f"{type(exc).__name__}: {exc}"
@@ -230,7 +230,7 @@ def run_workload(url: str, *, seed: int = 0, first_prompt_tokens: Sequence[int] 
                 cid, first, salt = queue.pop(0)
             try:
                 conversation(cid, first, salt)
-            except Exception as exc:  # noqa: BLE001 - recorded; the other conversations go on
+            except Exception as exc:  # recorded; the other conversations go on
                 with lock:
                     stats["requests_failed"] += 1
                     stats["errors"].append(f"{cid}: {type(exc).__name__}: {exc}")
