@@ -25,6 +25,7 @@ from kvtune.probe.channel import (
 from kvtune.probe.check import BackendStatus, ReadinessReport, parse_ucx_log
 from kvtune.probe.results import PointStats, ProbeSummary
 from kvtune.probe.tracing import TransferRecord, transfer_context
+from _net import free_port
 
 
 def _pair() -> tuple[Channel, Channel]:
@@ -81,9 +82,7 @@ def test_parse_hostport_and_unreachable_connect():
     for bad in ("host", "host:0", ":80", "host:http"):
         with pytest.raises(ProbeError, match="HOST:PORT"):
             parse_hostport(bad)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     with pytest.raises(ProbeError, match=f"127.0.0.1:{port}"):
         connect("127.0.0.1", port, timeout_s=5)
 

@@ -5,9 +5,6 @@ per conversation, in a span event and in ``/health``. Through stand-ins speaking
 from __future__ import annotations
 
 import pytest
-from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor
-from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from kvtune import spans
 from kvtune.router import RouterInThread
@@ -19,19 +16,6 @@ pytestmark = pytest.mark.timeout(180)
 
 KVTUNE_KEYS = (spans.KV_PARAMS_TRACEPARENT, spans.KV_PARAMS_CONVERSATION_ID, spans.KV_PARAMS_TURN)
 TURNS = 4
-
-
-@pytest.fixture
-def exporter():
-    return InMemorySpanExporter()
-
-
-@pytest.fixture
-def tracer(exporter):
-    provider = TracerProvider()
-    provider.add_span_processor(SimpleSpanProcessor(exporter))
-    yield provider.get_tracer("test-router-streaming")
-    provider.shutdown()
 
 
 def _plain(params):

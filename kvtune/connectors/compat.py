@@ -27,7 +27,6 @@ from dataclasses import dataclass
 from typing import Any, Final, TypeVar
 
 from kvtune import spans
-from kvtune.connectors.nixl_agent import OBSERVED_METHODS
 from kvtune.errors import ConnectorError
 
 _logger = logging.getLogger("kvtune.connectors")
@@ -164,8 +163,10 @@ def registry_diff(classes: tuple[type, ...] | None = None
     return tuple(unmarked), tuple(stray)
 
 
-NIXL_AGENT_METHODS: Final = OBSERVED_METHODS
-"""NIXL agent methods observed through :class:`~kvtune.connectors.nixl_agent.ObservedNixlAgent`."""
+NIXL_AGENT_METHODS: Final = ("make_prepped_xfer", "transfer", "check_xfer_state",
+                             "get_xfer_telemetry", "release_xfer_handle")
+"""NIXL agent methods (``nixl._api.nixl_agent``) observed through
+:class:`~kvtune.connectors.nixl_agent.ObservedNixlAgent`."""
 
 METADATA_FIELDS: Final = ("reqs_to_recv", "reqs_to_send", "push_registrations",
                           "push_finished_blocks")

@@ -28,14 +28,12 @@ from kvtune.errors import ConfigError
 from kvtune.local import client
 from kvtune.local.errors import LocalPairError
 from kvtune.local.server import SERVED_MODEL_NAME
-from kvtune.local.tiny_model import VOCAB_SIZE
+from kvtune.local.tiny_model import FIRST_PLAIN_TOKEN_ID, VOCAB_SIZE
 from kvtune.spans import CONVERSATION_HEADER
 
 if TYPE_CHECKING:
     from kvtune.local.pair import LocalPair
 
-FIRST_PLAIN_TOKEN_ID: Final = 3
-"""Generated token ids start here (ids 0..2 are the tiny tokenizer's special tokens)."""
 REQUEST_TIMEOUT_S: Final = 300.0
 
 

@@ -12,13 +12,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvtune.recommend.results import NEVER
 from kvtune.tune.numbers import fmt_num, fmt_share, fmt_value
 
 THRESHOLD = "kv_recompute_threshold"
 TTL = "decoder_kv_blocks_ttl"
 MODE = "mode"
-NEVER = "never"
-"""The threshold's value when pulling history never pays (kvtune.recommend.results.NEVER)."""
 GOOD_R2 = 0.9
 """A floor fit with R^2 at or above this explains transfer time well (below: say it is weak)."""
 MIN_TRANSFERS = 30
