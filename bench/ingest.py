@@ -65,7 +65,7 @@ def generate(out_dir: Path, n_spans: int, seed: int = 0) -> list[Path]:
     rng = random.Random(seed)
     out_dir.mkdir(parents=True, exist_ok=True)
     roles = {spans.Role.ROUTER: "host-router", spans.Role.PREFILL: "host-p0", spans.Role.DECODE: "host-d0"}
-    files = {r: open(out_dir / f"{r.value}.jsonl", "wb") for r in roles}  # noqa: SIM115
+    files = {r: open(out_dir / f"{r.value}.jsonl", "wb") for r in roles}
     pending: dict[spans.Role, list[dict]] = {r: [] for r in roles}
     enc = msgspec.json.Encoder()
 

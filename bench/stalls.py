@@ -118,7 +118,7 @@ def run_one(layout: str, mode: str, connector: str, n: int, out: Path, hogs: int
                 try:
                     pair.complete(toks, MAX_TOKENS, conversation=conv)
                     latencies.append((time.monotonic() - t0) * 1e3)
-                except Exception as exc:  # noqa: BLE001 - recorded and reported
+                except Exception as exc:  # recorded and reported
                     errors.append(f"{type(exc).__name__}: {str(exc)[:300]}")
                 print(f"  {name} {i + 1}/{n}: "
                       f"{latencies[-1] if latencies else float('nan'):.0f} ms", file=sys.stderr)
@@ -148,9 +148,13 @@ def run_one(layout: str, mode: str, connector: str, n: int, out: Path, hogs: int
     return result
 
 
+def _fmt(x: float | None) -> str:
+    return f"{x:.0f}" if x is not None else "-"
+
+
 def table(results: list[dict]) -> str:
-    rows = ["| layout | mode | connector | CPU hogs | requests | over 1 s | p50 ms | p99 ms | max ms | "
-            "idle cores (before/after) | load before | kvtune p50 / vLLM p50 |",
+    rows = ["| layout | mode | connector | CPU hogs | requests | over 1 s | p50 ms | p99 ms | "
+            "max ms | idle cores (before/after) | load before | kvtune p50 / vLLM p50 |",
             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     p50 = {(r["layout"], r["mode"], r["connector"], r.get("hogs", 0)): r["p50_ms"]
            for r in results}
@@ -159,10 +163,9 @@ def table(results: list[dict]) -> str:
         k, v = ((r["layout"], r["mode"], c, hogs) for c in ("kvtune", "vllm"))
         ratio = (f"{p50[k] / p50[v]:.2f}" if r["connector"] == "kvtune" and p50.get(k)
                  and p50.get(v) else "")
-        fmt = (lambda x: f"{x:.0f}" if x is not None else "-")
         rows.append(f"| {r['layout']} | {r['mode']} | {r['connector']} | {hogs} | "
-                    f"{r['ok']}/{r['n']} | {r['over_1s']} | {fmt(r['p50_ms'])} | "
-                    f"{fmt(r['p99_ms'])} | {fmt(r['max_ms'])} | "
+                    f"{r['ok']}/{r['n']} | {r['over_1s']} | {_fmt(r['p50_ms'])} | "
+                    f"{_fmt(r['p99_ms'])} | {_fmt(r['max_ms'])} | "
                     f"{r['idle_cores']:.2f} / {r['idle_cores_after']:.2f} | "
                     f"{r['load_before']:.2f} | {ratio} |")
     return "\n".join(rows)

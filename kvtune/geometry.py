@@ -124,11 +124,6 @@ class KvGeometry:
         offsets = (region_starts[:, None] + block_offsets[None, :]).ravel()
         return np.column_stack([offsets, np.full(offsets.shape, self.block_bytes, dtype=np.int64)])
 
-    def with_tp(self, tp_size: int) -> "KvGeometry":
-        """The same model at another tensor-parallel size."""
-        return KvGeometry(self.layers, self.kv_heads, self.head_dim, self.dtype_bytes,
-                          self.block_size_tokens, tp_size, self.name)
-
     def as_dict(self) -> dict:
         return {"name": self.name, "layers": self.layers, "kv_heads": self.kv_heads,
                 "head_dim": self.head_dim, "dtype_bytes": self.dtype_bytes,

@@ -14,7 +14,6 @@ PHASE_COLORS = {
     "rdma_ms": "#1f77b4", "notify_ms": "#2ca02c", "decode_start_ms": "#d62728",
     "prefill_ms": "#7f7f7f", "before_transfer_ms": "#bcbd22", "uncovered_ms": "#17becf",
 }
-MIB = 1024 * 1024
 
 
 def _go():

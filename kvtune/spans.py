@@ -246,11 +246,6 @@ ATTRIBUTE_TYPES: Final[dict[str, type]] = {
 """Every span attribute of the convention with its Python type; the loader makes one typed column
 per entry (named exactly as the attribute) in the spans DataFrame."""
 
-ENUM_VALUES: Final[dict[str, type[Enum]]] = {
-    MODE: Mode, DIRECTION: Direction, ROLE: Role, NIXL_OP: NixlOp, FIRST_ARRIVAL: FirstArrival,
-    REUSE_OUTCOME: ReuseOutcome, RETENTION_OUTCOME: RetentionOutcome, PROBE_LAYOUT: Layout,
-}
-"""Attributes whose values are restricted to an enum."""
 
 class EventName(str, Enum):
     """Names of span events kvtune adds (a fixed vocabulary, like span names)."""
@@ -265,6 +260,9 @@ class EventName(str, Enum):
 
 
 # --- Trace context carriers ---------------------------------------------------------------------
+TRACEPARENT_HEADER: Final = "traceparent"
+"""The W3C Trace Context header: the router sets it on both legs; the connectors read it from the
+request's trace headers."""
 KV_PARAMS_TRACEPARENT: Final = "kvtune_traceparent"
 """Key inside vLLM's ``kv_transfer_params`` that carries the W3C ``traceparent`` of the request."""
 KV_PARAMS_RETAINED_TRACEPARENT: Final = "kvtune_retained_traceparent"

@@ -193,7 +193,7 @@ class JsonLinesSpanExporter(SpanExporter):
                 return SpanExportResult.FAILURE
             if self._file is None:
                 self.path.parent.mkdir(parents=True, exist_ok=True)
-                self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - kept open
+                self._file = open(self.path, "a", encoding="utf-8")  # kept open
             self._file.write(line + "\n")
             self._file.flush()
         return SpanExportResult.SUCCESS
@@ -364,12 +364,12 @@ class GuardedSpanExporter(SpanExporter):
     def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
         try:
             spans = [sanitize_span(s) for s in spans]
-        except Exception:  # noqa: BLE001 - export as they are; the per-span retry below guards
+        except Exception:  # export as they are; the per-span retry below guards
             _logger.debug("kvtune telemetry: sanitising spans failed", exc_info=True)
         held = _ExporterLogCapture.start()
         try:
             result = self.exporter.export(spans)
-        except Exception as exc:  # noqa: BLE001 - telemetry must never raise into the host
+        except Exception as exc:  # telemetry must never raise into the host
             if len(spans) == 1:
                 self._drop(1, f"{type(exc).__name__}: {exc}", exc)
                 return SpanExportResult.FAILURE
@@ -391,7 +391,7 @@ class GuardedSpanExporter(SpanExporter):
             try:
                 if self.exporter.export([span]) is not SpanExportResult.SUCCESS:
                     failed += 1
-            except Exception as exc:  # noqa: BLE001
+            except Exception as exc:
                 failed += 1
                 first = first or exc
         if failed:
@@ -404,14 +404,14 @@ class GuardedSpanExporter(SpanExporter):
     def force_flush(self, timeout_millis: int = 30000) -> bool:
         try:
             return bool(self.exporter.force_flush(timeout_millis))
-        except Exception:  # noqa: BLE001
+        except Exception:
             _logger.debug("kvtune telemetry: %s force_flush failed", self.name, exc_info=True)
             return False
 
     def shutdown(self) -> None:
         try:
             self.exporter.shutdown()
-        except Exception:  # noqa: BLE001
+        except Exception:
             _logger.debug("kvtune telemetry: %s shutdown failed", self.name, exc_info=True)
 
 
@@ -519,7 +519,7 @@ class Telemetry:
         """Exports what is queued; returns False (never raises) when something could not be sent."""
         try:
             return bool(self.provider.force_flush(timeout_millis))
-        except Exception:  # noqa: BLE001
+        except Exception:
             _logger.debug("kvtune telemetry: force_flush failed", exc_info=True)
             return False
 
@@ -530,7 +530,7 @@ class Telemetry:
         self._shut[0] = True
         try:
             self.provider.shutdown()
-        except Exception:  # noqa: BLE001
+        except Exception:
             _logger.debug("kvtune telemetry: shutdown failed", exc_info=True)
 
 
@@ -644,7 +644,7 @@ def from_env(role: spans.Role | str) -> Telemetry | None:
         if configured_by_env():
             try:
                 handle = setup(role_value)
-            except Exception:  # noqa: BLE001 - never break the host process
+            except Exception:  # never break the host process
                 _logger.warning("kvtune telemetry: from_env(%s) failed; spans are not exported",
                                 role_value, exc_info=True)
         _FROM_ENV[key] = handle

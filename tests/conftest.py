@@ -1,7 +1,14 @@
-"""Fixtures shared by the local vLLM pair tests (tests/test_local_*.py)."""
+"""Fixtures shared by the tests: the local vLLM pair's model and reference outputs
+(tests/test_local_*.py), a tracer recording into an in-memory exporter (the router tests), a
+synthetic spans file (the tune, lab and report tests)."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from kvtune.local.reference import standard_reference
 from kvtune.local.tiny_model import make_tiny_model
@@ -18,6 +25,30 @@ def reference(tmp_path_factory, model_dir):
     """Single-instance outputs of the standard prompts and conversations (cached on disk)."""
     return standard_reference(tmp_path_factory.getbasetemp() / "kvtune-local-reference",
                               model_dir=model_dir)
+
+
+@pytest.fixture
+def exporter() -> InMemorySpanExporter:
+    """The spans ``tracer`` finished, in memory."""
+    return InMemorySpanExporter()
+
+
+@pytest.fixture
+def tracer(exporter: InMemorySpanExporter):
+    """A tracer of its own provider (not the global one), exporting each span to ``exporter``."""
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    yield provider.get_tracer("kvtune-tests")
+    provider.shutdown()
+
+
+@pytest.fixture(scope="session")
+def spans_file(tmp_path_factory) -> Path:
+    """A bidirectional synthetic workload's spans as OTLP JSON lines, written once per session."""
+    from kvtune.analysis import synthetic
+    path = tmp_path_factory.mktemp("spans") / "spans.jsonl"
+    synthetic.write_otlp_json(synthetic.SyntheticCase().spans(mode="bidirectional"), path)
+    return path
 
 
 # --- the connector suite per vLLM release (`make test` runs it on each supported release) -------

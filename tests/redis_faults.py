@@ -18,6 +18,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import BinaryIO
+from _net import free_port
 
 FAULT_KINDS = ("error", "reject", "drop_before", "drop_after", "drop_mid", "garbage", "stall")
 """- ``error``: the command runs in Redis, the client gets ``-ERR`` instead of its reply;
@@ -27,12 +28,6 @@ FAULT_KINDS = ("error", "reject", "drop_before", "drop_after", "drop_mid", "garb
 - ``drop_mid``: the command runs, half of its reply is sent, then the connection closes;
 - ``garbage``: the command runs, the client gets a line that is not RESP;
 - ``stall``: the command runs, its reply is held back until the client gives up (then dropped)."""
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @contextmanager

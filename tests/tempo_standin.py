@@ -100,7 +100,7 @@ def _go_duration(seconds: int) -> str:
 class _Handler(BaseHTTPRequestHandler):
     state: StandInState
 
-    def do_GET(self) -> None:  # noqa: N802
+    def do_GET(self) -> None:
         parts = urllib.parse.urlsplit(self.path)
         q = urllib.parse.parse_qs(parts.query)
         st = self.state

@@ -27,8 +27,8 @@ def _prefill(start_s: float, computed: int, cached: int, ms: float, conv: str = 
 def test_prefill_cost_exact_hand_made():
     truth = syn.PrefillTruth(base_ms=5.0, per_token_ms=0.05, per_token_prefix_us=2.0)
     pts = [(500, 0), (1000, 0), (2000, 0), (1000, 2000), (500, 4000), (3000, 1000)]
-    frame = syn.spans_frame([_prefill(i, r, l, truth.prefill_ms(r, l))
-                             for i, (r, l) in enumerate(pts)])
+    frame = syn.spans_frame([_prefill(i, r, prefix, truth.prefill_ms(r, prefix))
+                             for i, (r, prefix) in enumerate(pts)])
     pc = prefill_cost(frame)
     assert isinstance(pc, PrefillCost)
     assert pc.per_token_ms == pytest.approx(0.05, rel=1e-3)
@@ -62,7 +62,8 @@ def test_prefill_cost_from_vllm_llm_request_spans():
 
 def test_prefill_cost_errors():
     frame = syn.spans_frame([_prefill(0, 100, 0, 10.0), _prefill(1, 100, 0, 11.0)])
-    with pytest.raises(AnalysisError, match=r"1 distinct computed-token count.*need >= 3 distinct lengths: send 2 more"):
+    with pytest.raises(AnalysisError, match=r"1 distinct computed-token count.*"
+                                             r"need >= 3 distinct lengths: send 2 more"):
         prefill_cost(frame)
     empty = syn.spans_frame([{"name": sc.SpanName.REQUEST.value, "host": "r", "start_ns": T0,
                               "end_ns": T0 + 1, "attrs": {}}])

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import functools
 import re
-import socket
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,6 +18,7 @@ import pytest
 from kvtune import spans
 from kvtune.connectors.ids import derived_span_context
 from kvtune.connectors.observer import ENV_FAIL_HOOKS, Emitter
+from _net import free_port
 
 WARNING_TEXT = "kvtune: instrumentation hook"
 FAILING_HOOKS = "scheduler.meta,scheduler.finished,worker.read,worker.notify"
@@ -28,17 +28,10 @@ MAX_TOKENS = 8
 PROMPTS = (tuple(range(40, 130)), tuple(range(700, 760)))
 
 
-def _closed_port() -> int:
-    """A localhost port nobody listens on (bound, then released)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def test_dead_otlp_endpoint_does_not_raise_in_process() -> None:
     from kvtune import telemetry
 
-    tel = telemetry.setup(spans.Role.DECODE, otlp_endpoint=f"http://127.0.0.1:{_closed_port()}",
+    tel = telemetry.setup(spans.Role.DECODE, otlp_endpoint=f"http://127.0.0.1:{free_port()}",
                           otlp_protocol="http/protobuf", batch=False, otlp_timeout_s=2.0)
     try:
         em = Emitter(spans.Role.DECODE, spans.Mode.PULL, "eng", tracer=tel.tracer,
@@ -80,7 +73,7 @@ class TestServingSurvivesTelemetryFailures:
         from kvtune.local.pair import LocalPair
 
         env = {ENV_FAIL_HOOKS: FAILING_HOOKS,
-               "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{_closed_port()}",
+               "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{free_port()}",
                "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf",
                "OTEL_BSP_SCHEDULE_DELAY": "100"}
         with LocalPair("pull", connector="kvtune", workdir=workdir / "pull",

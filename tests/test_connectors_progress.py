@@ -19,7 +19,7 @@ from kvtune.errors import ConnectorError, KvtuneError
 pytest.importorskip("nixl")
 pytest.importorskip("vllm")
 
-from kvtune.connectors.progress import (  # noqa: E402
+from kvtune.connectors.progress import (
     EXTRA_CONFIG_KEY,
     THREAD_KEY,
     AgentSettings,

@@ -115,6 +115,12 @@ def test_every_phase_span_is_fed_by_some_wrapped_method() -> None:
     assert needed <= fed, needed - fed
 
 
+def test_compat_checks_exactly_the_nixl_methods_the_proxy_observes() -> None:
+    from kvtune.connectors.nixl_agent import ObservedNixlAgent
+    own = {n for n, v in vars(ObservedNixlAgent).items() if callable(v) and not n.startswith("_")}
+    assert own == set(compat.NIXL_AGENT_METHODS)
+
+
 def test_method_table_is_derived_from_every_override_and_nothing_else() -> None:
     """Each method of a registered connector class that replaces vLLM's is in the table, and
     every table entry is such a method (the diff is empty), for every kvtune subclass of vLLM."""

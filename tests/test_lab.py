@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -14,10 +13,10 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from kvtune.analysis import synthetic
 from kvtune.errors import ConfigError
 from kvtune.tune import lab
 from kvtune.tune.params import PARAMETERS
+from _net import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 LAB_NOTEBOOK = "fabric_floor"
@@ -25,13 +24,6 @@ LAB_NOTEBOOK = "fabric_floor"
 LAB_START_S = 120
 RUN_ALL_S = 420
 UI_S = 60
-
-
-@pytest.fixture(scope="module")
-def spans_file(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("spans") / "spans.jsonl"
-    synthetic.write_otlp_json(synthetic.SyntheticCase().spans(mode="bidirectional"), path)
-    return path
 
 
 def injected(nb_path: Path) -> str:
@@ -79,12 +71,6 @@ def test_lab_command_serves_the_workspace_on_loopback_only(spans_file, tmp_path)
     assert not any(a.startswith("--IdentityProvider.token") for a in cmd)  # Jupyter makes one
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _has(module: str) -> bool:
     import importlib.util
     return importlib.util.find_spec(module) is not None
@@ -100,7 +86,7 @@ def test_notebook_runs_all_cells_through_the_jupyterlab_ui_and_figures_draw(span
     from cdp import Chromium
 
     ws = lab.prepare(str(spans_file), tmp_path / "lab", notebooks=[LAB_NOTEBOOK])
-    token, port = "kvtune-test-token", _free_port()
+    token, port = "kvtune-test-token", free_port()
     # JupyterLab's state in the test's own directories; windowing off so every output renders.
     settings = tmp_path / "lab-settings" / "@jupyterlab" / "notebook-extension"
     settings.mkdir(parents=True)

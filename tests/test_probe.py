@@ -2,7 +2,6 @@
 child process), on this host's UCX (shared memory / TCP loopback)."""
 from __future__ import annotations
 
-import socket
 import time
 
 import pytest
@@ -16,6 +15,7 @@ from kvtune.probe import ProbeConfig, run_probe
 from kvtune.probe.initiator import InitiatorSession
 from kvtune.probe.target import spawn_local_target
 from kvtune.traces import load
+from _net import free_port
 
 pytestmark = [pytest.mark.nixl, pytest.mark.timeout(180)]
 
@@ -86,9 +86,7 @@ def test_target_death_mid_sweep_fails_fast_naming_side_and_transfer(session):
 
 
 def test_unreachable_peer_names_host_and_port():
-    with socket.socket() as sock:  # a port nobody listens on
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     with pytest.raises(ProbeError, match=f"127.0.0.1:{port}"):
         run_probe(ProbeConfig(geometry=SMALL, tokens=(16,), peer=f"127.0.0.1:{port}",
                               progress=False, spans=False))

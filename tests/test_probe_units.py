@@ -25,6 +25,7 @@ from kvtune.probe.channel import (
 from kvtune.probe.check import BackendStatus, ReadinessReport, parse_ucx_log
 from kvtune.probe.results import PointStats, ProbeSummary
 from kvtune.probe.tracing import TransferRecord, transfer_context
+from _net import free_port
 
 
 def _pair() -> tuple[Channel, Channel]:
@@ -81,9 +82,7 @@ def test_parse_hostport_and_unreachable_connect():
     for bad in ("host", "host:0", ":80", "host:http"):
         with pytest.raises(ProbeError, match="HOST:PORT"):
             parse_hostport(bad)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     with pytest.raises(ProbeError, match=f"127.0.0.1:{port}"):
         connect("127.0.0.1", port, timeout_s=5)
 
@@ -115,7 +114,7 @@ UCX_LOG = """\
 [1.1] [vm:1:0]     ucp_context.c:2753 UCX  INFO  Version 1.23.0 (loaded from /x/libucp.so)
 [1.2] [vm:1:0]      ucp_worker.c:1997 UCX  INFO    a self cfg#0 rma_am(tcp/lo)  am(tcp/lo cma/memory)
 [1.3] [vm:1:0]      ucp_worker.c:1997 UCX  INFO    a intra-node cfg#1 rma(rc_mlx5/mlx5_0:1)  am(rc_mlx5/mlx5_0:1 cma/memory)  ka(ud_mlx5/mlx5_0:1)
-"""
+"""  # noqa: E501 - UCX's log lines, verbatim
 
 
 def test_parse_ucx_log_reads_peer_lanes_not_self():

@@ -14,7 +14,6 @@ from pathlib import Path
 
 import pytest
 
-from kvtune.analysis import synthetic
 from kvtune.export import PLACEHOLDER, model_name
 from kvtune.recommend.pipeline import recommend_source
 from kvtune.traces import load
@@ -178,13 +177,6 @@ def test_model_name_order_given_then_spans_then_config_dir_then_placeholder(tmp_
     assert model_name(None, spans=spaced).name == PLACEHOLDER
     two = pd.DataFrame({"resource": [{"kv.model": "a"}, {"kv.model": "b"}], "attrs": [{}, {}]})
     assert "2 models" in model_name(None, spans=two).source
-
-
-@pytest.fixture(scope="module")
-def spans_file(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("spans") / "spans.jsonl"
-    synthetic.write_otlp_json(synthetic.SyntheticCase().spans(mode="bidirectional"), path)
-    return path
 
 
 @pytest.fixture(scope="module")

@@ -3,15 +3,11 @@
 restart, expiry, load, failures and limits."""
 from __future__ import annotations
 
-import socket
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor
-from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import StatusCode
 
 from kvtune import spans
@@ -19,6 +15,7 @@ from kvtune.router import RouterInThread, RouterProcess
 from kvtune.router.client import get, post
 from kvtune.router.server import FAILED_INSTANCE_HEADER, FAILED_LEG_HEADER
 from kvtune.router.standin import StandInVllmCluster
+from _net import free_port
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -29,19 +26,6 @@ MODES = ("pull", "push", "bidirectional")
 def _plain(params):
     """kv_transfer_params without the keys the router adds."""
     return {k: v for k, v in params.items() if k not in KVTUNE_KEYS}
-
-
-@pytest.fixture
-def exporter():
-    return InMemorySpanExporter()
-
-
-@pytest.fixture
-def tracer(exporter):
-    provider = TracerProvider()
-    provider.add_span_processor(SimpleSpanProcessor(exporter))
-    yield provider.get_tracer("test-router")
-    provider.shutdown()
 
 
 def _completion(prompt, *, conv=None, stream=False, max_tokens=3):
@@ -248,10 +232,7 @@ def test_concurrent_conversations_keep_their_own_state(tmp_path, tracer, exporte
 
 
 def _dead_url() -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    return f"http://127.0.0.1:{port}"  # nothing listens there now
+    return f"http://127.0.0.1:{free_port()}"  # nothing listens there now
 
 
 @pytest.mark.parametrize("mode", MODES)

@@ -9,9 +9,6 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor
-from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from kvtune import spans
 from kvtune.router import RouterInThread
@@ -22,19 +19,6 @@ from kvtune.router.standin import StandInVllmCluster
 from kvtune.router.state import MAX_CONVERSATION_ID_BYTES
 
 pytestmark = pytest.mark.timeout(180)
-
-
-@pytest.fixture
-def exporter():
-    return InMemorySpanExporter()
-
-
-@pytest.fixture
-def tracer(exporter):
-    provider = TracerProvider()
-    provider.add_span_processor(SimpleSpanProcessor(exporter))
-    yield provider.get_tracer("test-router-hardening")
-    provider.shutdown()
 
 
 def _body(prompt="a b c", **extra):

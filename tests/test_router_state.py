@@ -11,6 +11,7 @@ import pytest
 from kvtune.errors import RouterError
 from kvtune.router.state import (ConversationStore, RedisConversationStore, SqliteConversationStore,
                                  open_store)
+from _net import free_port
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -26,18 +27,12 @@ class FakeClock:
         return self.now
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def redis_url(tmp_path_factory):
     binary = shutil.which("redis-server")
     if binary is None:
         pytest.skip("no redis-server binary on this machine: the Redis store is not tested here")
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
                              "--appendonly", "no", "--dir", str(tmp_path_factory.mktemp("redis"))],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -118,7 +113,7 @@ def test_sqlite_state_survives_reopen(tmp_path):
     again = SqliteConversationStore(tmp_path / "s.db", params_ttl_s=60, clock=clock)
     start = again.begin_turn("c")
     assert start.turn == 2 and start.kv_transfer_params == PARAMS
-    mode = again._db.execute("PRAGMA journal_mode").fetchone()[0]  # noqa: SLF001
+    mode = again._db.execute("PRAGMA journal_mode").fetchone()[0]
     assert mode == "wal"
     store.close()
     again.close()
@@ -149,7 +144,7 @@ def test_open_store_specs(tmp_path):
     with pytest.raises(RouterError, match="expected 'sqlite:PATH'"):
         open_store("postgres://x", params_ttl_s=5)
     with pytest.raises(RouterError, match="cannot reach Redis"):
-        open_store(f"redis://127.0.0.1:{_free_port()}/0", params_ttl_s=5)
+        open_store(f"redis://127.0.0.1:{free_port()}/0", params_ttl_s=5)
 
 
 def test_router_with_redis_state_carries_params_across_restart(redis_url, tmp_path):

@@ -163,12 +163,12 @@ def test_oom_during_begin_turn_leaves_no_stale_replies(redis_port):
     try:
         store.begin_turn("conv0")
         store.store_params("conv0", p0, "http://d0")
-        admin._exchange([("CONFIG", "SET", "maxmemory", "1")])  # noqa: SLF001
+        admin._exchange([("CONFIG", "SET", "maxmemory", "1")])
         try:
             with pytest.raises(StateStoreError, match="OOM"):
                 store.begin_turn("conv1")
         finally:
-            admin._exchange([("CONFIG", "SET", "maxmemory", "0")])  # noqa: SLF001
+            admin._exchange([("CONFIG", "SET", "maxmemory", "0")])
         assert store.begin_turn("conv2").kv_transfer_params is None
         # conv1's turn never happened (EXEC aborted): it starts at 1; conv0 still has its params.
         assert store.begin_turn("conv1").turn == 1
@@ -206,8 +206,8 @@ def test_params_stored_under_another_conversation_are_refused(redis_port):
     store = RedisConversationStore(url, params_ttl_s=60, prefix="misfiled:")
     try:
         store.store_params("a", _params("a", 1), "http://d0")
-        raw = store._exchange([("GET", store._k("params", "a"))])[0]  # noqa: SLF001
-        store._exchange([("SET", store._k("params", "b"), raw)])  # noqa: SLF001
+        raw = store._exchange([("GET", store._k("params", "a"))])[0]
+        store._exchange([("SET", store._k("params", "b"), raw)])
         with pytest.raises(StateStoreError, match="name conversation 'a'"):
             store.begin_turn("b")
         assert store.begin_turn("a").kv_transfer_params == _params("a", 1)

@@ -5,9 +5,6 @@ per conversation, in a span event and in ``/health``. Through stand-ins speaking
 from __future__ import annotations
 
 import pytest
-from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor
-from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from kvtune import spans
 from kvtune.router import RouterInThread
@@ -19,19 +16,6 @@ pytestmark = pytest.mark.timeout(180)
 
 KVTUNE_KEYS = (spans.KV_PARAMS_TRACEPARENT, spans.KV_PARAMS_CONVERSATION_ID, spans.KV_PARAMS_TURN)
 TURNS = 4
-
-
-@pytest.fixture
-def exporter():
-    return InMemorySpanExporter()
-
-
-@pytest.fixture
-def tracer(exporter):
-    provider = TracerProvider()
-    provider.add_span_processor(SimpleSpanProcessor(exporter))
-    yield provider.get_tracer("test-router-streaming")
-    provider.shutdown()
 
 
 def _plain(params):
@@ -138,7 +122,7 @@ def test_sse_watcher_bounds_its_buffer_and_finds_params_after_a_huge_line():
     huge = b"data: " + b"x" * (SSE_MAX_LINE_BYTES + 10)
     for i in range(0, len(huge), 1 << 20):  # 1 MiB chunks, no newline for over 16 MiB
         w.feed(huge[i:i + (1 << 20)])
-        assert len(w._buf) <= SSE_MAX_LINE_BYTES + (1 << 20)  # noqa: SLF001
+        assert len(w._buf) <= SSE_MAX_LINE_BYTES + (1 << 20)
     final = b'\n\ndata: {"choices": [{"text": "t"}], "kv_transfer_params": {"remote_block_ids": [[1]]}}\n'
     for byte in final:  # and split anywhere
         w.feed(bytes([byte]))

@@ -21,6 +21,7 @@ import kvtune
 from kvtune import spans, telemetry
 from kvtune.errors import ConfigError
 from kvtune.traces import load
+from _net import free_port
 
 OTEL_VARS = (telemetry.ENV_SPANS_DIR, telemetry.ENV_OTLP_ENDPOINT, telemetry.ENV_OTLP_TRACES_ENDPOINT,
              telemetry.ENV_OTLP_PROTOCOL, telemetry.ENV_OTLP_TRACES_PROTOCOL, telemetry.ENV_SERVICE_NAME,
@@ -234,16 +235,10 @@ def test_full_queue_drops_are_counted_not_logged_per_span(monkeypatch: pytest.Mo
     assert "queue full" in record.getMessage()
 
 
-def _closed_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.parametrize("protocol", [telemetry.PROTOCOL_HTTP, telemetry.PROTOCOL_GRPC])
 def test_dead_otlp_endpoint_costs_dropped_spans_not_errors(protocol: str,
                                                            caplog: pytest.LogCaptureFixture) -> None:
-    t = telemetry.setup("router", otlp_endpoint=f"http://127.0.0.1:{_closed_port()}",
+    t = telemetry.setup("router", otlp_endpoint=f"http://127.0.0.1:{free_port()}",
                         otlp_protocol=protocol, otlp_timeout_s=1.0)
     with caplog.at_level(logging.WARNING):
         for _ in range(2):
@@ -259,7 +254,7 @@ def test_dead_otlp_endpoint_costs_dropped_spans_not_errors(protocol: str,
 class _OtlpReceiver(BaseHTTPRequestHandler):
     received: list[ExportTraceServiceRequest] = []
 
-    def do_POST(self) -> None:  # noqa: N802
+    def do_POST(self) -> None:
         body = self.rfile.read(int(self.headers["Content-Length"]))
         req = ExportTraceServiceRequest()
         req.ParseFromString(body)
@@ -347,7 +342,7 @@ def test_otlp_grpc_export_reaches_a_receiver() -> None:
     received: list[ExportTraceServiceRequest] = []
 
     class Receiver(trace_service_pb2_grpc.TraceServiceServicer):
-        def Export(self, request, context):  # noqa: N802
+        def Export(self, request, context):
             received.append(request)
             return trace_service_pb2.ExportTraceServiceResponse()
 

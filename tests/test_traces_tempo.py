@@ -19,6 +19,7 @@ from kvtune import spans
 from kvtune.errors import TraceSourceError
 from kvtune.traces import TempoSource, load
 from kvtune.traces.tempo import DEFAULT_SINCE_S
+from _net import free_port
 
 FIXTURES = Path(__file__).parent / "fixtures" / "traces"
 T1 = "0af7651916cd43dd8448eb211c80319c"  # served by v1 only (base64 ids inside)
@@ -29,7 +30,7 @@ class StandInTempo(BaseHTTPRequestHandler):
     requests: list[tuple[str, dict[str, list[str]]]] = []
     search_status = 200
 
-    def do_GET(self) -> None:  # noqa: N802
+    def do_GET(self) -> None:
         parts = urllib.parse.urlsplit(self.path)
         type(self).requests.append((parts.path, urllib.parse.parse_qs(parts.query)))
         if self.headers.get("Accept") != "application/json":
@@ -146,17 +147,5 @@ def test_tempo_errors(tempo: str) -> None:
     StandInTempo.search_status = 500
     with pytest.raises(TraceSourceError, match="HTTP 500"):
         load(f"tempo+http://{tempo}")
-    with socket_closed() as port:
-        with pytest.raises(TraceSourceError, match="unreachable"):
-            load(TempoSource(f"http://127.0.0.1:{port}", timeout_s=5))
-
-
-class socket_closed:  # noqa: N801 - context manager giving a port nobody listens on
-    def __enter__(self) -> int:
-        import socket
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            return s.getsockname()[1]
-
-    def __exit__(self, *exc: object) -> None:
-        pass
+    with pytest.raises(TraceSourceError, match="unreachable"):
+        load(TempoSource(f"http://127.0.0.1:{free_port()}", timeout_s=5))

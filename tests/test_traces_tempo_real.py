@@ -17,7 +17,6 @@ from __future__ import annotations
 import gzip
 import json
 import os
-import socket
 import subprocess
 import time
 import urllib.error
@@ -35,6 +34,7 @@ from kvtune.dashboards import generator as gen
 from kvtune.dashboards.evaluate import evaluate
 from kvtune.dashboards.templating import interpolate
 from kvtune.dashboards.traceql import parse
+from _net import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 TEMPO_ENV = "KVTUNE_TEMPO_BIN"
@@ -48,16 +48,10 @@ pytestmark = pytest.mark.skipif(
     reason=f"set {TEMPO_ENV} to a Tempo binary (built from grafana/tempo's source) to run these")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def tempo_config(root: Path, *, fast_flush: bool = False) -> tuple[dict, dict[str, int]]:
     """``dashboards/tempo.yaml`` with storage under ``root`` and every listener on 127.0.0.1."""
     cfg = yaml.safe_load((ROOT / "dashboards" / "tempo.yaml").read_text(encoding="utf-8"))
-    ports = {k: _free_port() for k in ("http", "grpc", "otlp_http", "otlp_grpc", "memberlist")}
+    ports = {k: free_port() for k in ("http", "grpc", "otlp_http", "otlp_grpc", "memberlist")}
     cfg["server"].update({"http_listen_address": "127.0.0.1", "http_listen_port": ports["http"],
                           "grpc_listen_address": "127.0.0.1", "grpc_listen_port": ports["grpc"]})
     protocols = cfg["distributor"]["receivers"]["otlp"]["protocols"]
@@ -95,7 +89,7 @@ class RealTempo:
         self.root = root
         self.config_path = root / "tempo.yaml"
         self.config_path.write_text(yaml.safe_dump(self.cfg), encoding="utf-8")
-        self.log = open(root / "tempo.log", "wb")  # noqa: SIM115
+        self.log = open(root / "tempo.log", "wb")
         self.proc = subprocess.Popen([binary, f"-config.file={self.config_path}"],
                                      stdout=self.log, stderr=subprocess.STDOUT)
         self.base = f"http://127.0.0.1:{self.ports['http']}"
@@ -120,7 +114,7 @@ class RealTempo:
     def get(self, path: str, params: dict | None = None) -> tuple[int, bytes]:
         url = self.base + path + ("?" + urllib.parse.urlencode(params) if params else "")
         try:
-            with urllib.request.urlopen(url, timeout=60) as r:  # noqa: S310
+            with urllib.request.urlopen(url, timeout=60) as r:
                 return r.status, r.read()
         except urllib.error.HTTPError as exc:
             return exc.code, exc.read()
@@ -129,7 +123,7 @@ class RealTempo:
         req = urllib.request.Request(f"http://127.0.0.1:{self.ports['otlp_http']}/v1/traces",
                                      data=json.dumps(doc).encode(), method="POST",
                                      headers={"Content-Type": "application/json"})
-        with urllib.request.urlopen(req, timeout=30) as r:  # noqa: S310
+        with urllib.request.urlopen(req, timeout=30) as r:
             assert r.status == 200, r.read()
 
     def version(self) -> str:

@@ -10,20 +10,12 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from kvtune.analysis import synthetic
 from kvtune.errors import ConfigError
 from kvtune.tune import params as P
 from kvtune.tune.notebooks import NOTEBOOKS_DIR, TUNE_NOTEBOOKS, NotebookFailed
 from kvtune.tune.run import run_tune
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture(scope="module")
-def spans_file(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("spans") / "spans.jsonl"
-    synthetic.write_otlp_json(synthetic.SyntheticCase().spans(mode="bidirectional"), path)
-    return path
 
 
 @pytest.fixture(scope="module")

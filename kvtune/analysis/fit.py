@@ -6,9 +6,10 @@ Model, per transfer ``i``::
 
 fitted by iteratively reweighted least squares on relative residuals, Huber then Tukey bisquare
 (outliers, e.g. a transfer that hit a scheduler hiccup, get down-weighted, gross ones to zero,
-instead of dragging the line), with the floor and the per-descriptor cost constrained to be >= 0, with percentile bootstrap
-confidence intervals resampled *within* each distinct (bytes, descriptors) point so every bootstrap
-sample keeps the sweep's design. The floor is the model's cost at zero bytes and zero descriptors.
+instead of dragging the line), with the floor and the per-descriptor cost constrained to be >= 0,
+with percentile bootstrap confidence intervals resampled *within* each distinct (bytes,
+descriptors) point so every bootstrap sample keeps the sweep's design. The floor is the model's
+cost at zero bytes and zero descriptors.
 
 When descriptors are constant or proportional to bytes (vLLM's per-block layout), the descriptor
 cost cannot be told apart from the bandwidth: the fit then leaves it out and ``per_descriptor_us`` is
@@ -82,7 +83,7 @@ class FloorFit:
     n_outliers: int = 0
     column: str = "critical_ms"
 
-    def predict_ms(self, bytes: float, descriptors: float = 0) -> float:  # noqa: A002 - unit name
+    def predict_ms(self, bytes: float, descriptors: float = 0) -> float:  # shadows bytes(): named for its unit
         """Predicted transfer time (ms) of ``bytes`` bytes in ``descriptors`` descriptors."""
         ms = self.floor_ms + float(bytes) * 8.0 / (self.bandwidth_gbps * 1e9) * 1e3
         if self.per_descriptor_us is not None:
@@ -234,7 +235,7 @@ def _ci(values: np.ndarray) -> tuple[float, float]:
     return float(lo), float(hi)
 
 
-def fit_floor_points(bytes: Sequence[float] | np.ndarray,  # noqa: A002 - unit name
+def fit_floor_points(bytes: Sequence[float] | np.ndarray,  # shadows bytes(): named for its unit
                      descriptors: Sequence[float] | np.ndarray | None,
                      ms: Sequence[float] | np.ndarray, *, n_boot: int = 200, seed: int = 0,
                      source: str = "", column: str = "critical_ms") -> FloorFit:

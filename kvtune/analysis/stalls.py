@@ -19,7 +19,8 @@ from kvtune import spans as S
 from kvtune.errors import AnalysisError
 
 STALL_MS = 1000.0
-"""A request slower than this is stalled (the issue's yardstick: 'share of requests over 1 s')."""
+"""A request slower than this is stalled (the issue's yardstick: 'share of requests over 1 s'); so is
+a transfer phase (a lost notification, a hung registration...: ``kvtune.recommend.findings``)."""
 
 PHASE_COLS = tuple(S.PHASE_COLUMNS[p] for p in S.PHASES)
 QUEUE_COLS = {S.Role.PREFILL.value: "queue_prefill_ms", S.Role.DECODE.value: "queue_decode_ms"}

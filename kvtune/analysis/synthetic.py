@@ -33,7 +33,7 @@ _CONTRACT_DTYPES: dict[str, str] = {
 }
 try:  # the loader's own column contract (built in parallel); identical by docs/contracts.md
     from kvtune.traces.columns import SPAN_COLUMNS as _COLS, SPAN_DTYPES as _DTYPES
-except Exception:  # noqa: BLE001 - loader missing or broken: fall back to the contract's lists
+except Exception:  # loader missing or broken: fall back to the contract's lists
     _COLS, _DTYPES = tuple(_CONTRACT_DTYPES), _CONTRACT_DTYPES
 
 SPAN_COLUMNS: tuple[str, ...] = tuple(_COLS)
@@ -101,7 +101,7 @@ class FabricTruth:
     outlier_ms: float = 25.0
     """Outliers: this many ms added to the RDMA of ``outlier_share`` of transfers."""
 
-    def critical_ms(self, bytes: float, descriptors: float) -> float:  # noqa: A002 - unit name
+    def critical_ms(self, bytes: float, descriptors: float) -> float:  # shadows bytes(): named for its unit
         """Noise-free descriptor setup + RDMA time."""
         return (self.floor_ms + bytes * 8.0 / (self.bandwidth_gbps * 1e9) * 1e3
                 + descriptors * self.per_descriptor_us / 1e3)

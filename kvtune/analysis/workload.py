@@ -4,7 +4,8 @@ between turns and what happened to retained history.
 Requests come from the router's ``kv.request`` spans; without them, one request per
 (conversation, turn) — or per base request id — is assembled from whatever spans carry those ids
 (its start is the first span's start, its end the last span's end, its prompt length from
-``kv.prefill``), leaving out retention spans and reverse transfers, which belong between turns. An inter-turn gap is the next turn's start minus the previous turn's end.
+``kv.prefill``), leaving out retention spans and reverse transfers, which belong between turns.
+An inter-turn gap is the next turn's start minus the previous turn's end.
 """
 from __future__ import annotations
 

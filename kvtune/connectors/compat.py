@@ -13,8 +13,8 @@ methods are missing, then either the connectors run *uninstrumented* (exactly vL
 with a warning) or, with ``kv_connector_extra_config: {"kvtune_strict": true}``, they refuse with
 :class:`~kvtune.errors.ConnectorError`. They are never half-instrumented.
 
-``python -m kvtune.connectors.compat`` (or ``kvtune doctor``) prints the installed vLLM and NIXL versions and the outcome
-(exit status 0 when the version is supported and every method was found).
+``python -m kvtune.connectors.compat`` (or ``kvtune doctor``) prints the installed vLLM and NIXL
+versions and the outcome (exit status 0 when the version is supported and every method was found).
 """
 from __future__ import annotations
 
@@ -27,7 +27,6 @@ from dataclasses import dataclass
 from typing import Any, Final, TypeVar
 
 from kvtune import spans
-from kvtune.connectors.nixl_agent import OBSERVED_METHODS
 from kvtune.errors import ConnectorError
 
 _logger = logging.getLogger("kvtune.connectors")
@@ -164,8 +163,10 @@ def registry_diff(classes: tuple[type, ...] | None = None
     return tuple(unmarked), tuple(stray)
 
 
-NIXL_AGENT_METHODS: Final = OBSERVED_METHODS
-"""NIXL agent methods observed through :class:`~kvtune.connectors.nixl_agent.ObservedNixlAgent`."""
+NIXL_AGENT_METHODS: Final = ("make_prepped_xfer", "transfer", "check_xfer_state",
+                             "get_xfer_telemetry", "release_xfer_handle")
+"""NIXL agent methods (``nixl._api.nixl_agent``) observed through
+:class:`~kvtune.connectors.nixl_agent.ObservedNixlAgent`."""
 
 METADATA_FIELDS: Final = ("reqs_to_recv", "reqs_to_send", "push_registrations",
                           "push_finished_blocks")
@@ -228,7 +229,7 @@ def find_missing(table: tuple[WrappedMethod, ...] | None = None, package: str = 
         metadata = importlib.import_module(f"{package}.metadata").NixlConnectorMetadata()
         missing.extend(f"NixlConnectorMetadata.{f}" for f in METADATA_FIELDS
                        if not hasattr(metadata, f))
-    except Exception:  # noqa: BLE001 - any failure here is a mismatch
+    except Exception:  # any failure here is a mismatch
         missing.append("metadata.NixlConnectorMetadata")
     try:
         from nixl._api import nixl_agent

@@ -93,7 +93,7 @@ class IdleStepWait:
             return
         q = self._queue
         with q.not_empty:
-            if not q._qsize():  # noqa: SLF001 - the Queue's own emptiness test, under its lock
+            if not q._qsize():  # the Queue's own emptiness test, under its lock
                 self.waits += 1
                 q.not_empty.wait(self.wait_s)
 

@@ -19,11 +19,11 @@ from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from kvtune import spans
+from kvtune.spans import TRACEPARENT_HEADER
 
 _PREFIXED_RE: Final = re.compile(r"(?:chatcmpl|cmpl)-(?P<base>.+?)(?:-\d+)?(?:-[0-9a-f]{8})?",
                                  re.IGNORECASE)
 """``cmpl-<X>-<i>-<8 hex>`` / ``chatcmpl-<X>-<8 hex>``; index and random suffix optional."""
-TRACEPARENT_HEADER: Final = "traceparent"
 _PROPAGATOR: Final = TraceContextTextMapPropagator()
 
 

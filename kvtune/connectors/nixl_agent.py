@@ -7,14 +7,9 @@ arguments, same return value, same exceptions) and, for the five transfer calls 
 """
 from __future__ import annotations
 
-from typing import Any, Final
+from typing import Any
 
 from kvtune.connectors.observer import GUARD, HookGuard, TransferTracker, now_ns
-
-OBSERVED_METHODS: Final = ("make_prepped_xfer", "transfer", "check_xfer_state",
-                           "get_xfer_telemetry", "release_xfer_handle")
-"""The NIXL agent methods the proxy observes (``nixl._api.nixl_agent``)."""
-
 
 def _descriptor_count(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int | None:
     ids = kwargs.get("local_indices", args[2] if len(args) > 2 else None)

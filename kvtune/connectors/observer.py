@@ -73,7 +73,7 @@ class HookGuard:
             if self._fail and (hook in self._fail or "*" in self._fail):
                 raise InjectedHookError(f"{ENV_FAIL_HOOKS} asked hook {hook!r} to fail")
             return fn(*args)
-        except Exception:  # noqa: BLE001 - telemetry never breaks the host
+        except Exception:  # telemetry never breaks the host
             with self._lock:
                 self.failures += 1
                 first = self.failures == 1
@@ -155,7 +155,7 @@ def _tracer_for(role: spans.Role) -> tuple[Tracer, Any]:
     try:
         from kvtune import telemetry
         handle = telemetry.from_env(role)
-    except Exception:  # noqa: BLE001
+    except Exception:
         _logger.debug("kvtune: telemetry.from_env failed", exc_info=True)
     if handle is not None:
         return handle.tracer, handle

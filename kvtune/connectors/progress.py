@@ -78,7 +78,7 @@ class _BindingWithSettings:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._real, name)
 
-    def nixlAgent(self, name: str, config: Any) -> Any:  # noqa: N802 - NIXL's spelling
+    def nixlAgent(self, name: str, config: Any) -> Any:  # NIXL's spelling
         if self._delay_us is not None:
             config.pthrDelay = self._delay_us
         if self._progress_thread is False:

@@ -7,5 +7,5 @@ from kvtune.dashboards.export import export_dashboards
 from kvtune.dashboards.generator import dashboards, kv_transfer_dashboard, render
 from kvtune.dashboards.traceql import TraceQLSyntaxError, parse
 
-__all__ = ["DashboardCheck", "PanelCheck", "TraceQLSyntaxError", "check_panels", "dashboards", "evaluate", "export_dashboards", "kv_transfer_dashboard",
-           "parse", "render"]
+__all__ = ["DashboardCheck", "PanelCheck", "TraceQLSyntaxError", "check_panels", "dashboards",
+           "evaluate", "export_dashboards", "kv_transfer_dashboard", "parse", "render"]

@@ -26,7 +26,6 @@ from kvtune.spans import SpanName
 
 DS_VARIABLE: Final = "DS_TEMPO"
 """Name of the datasource variable every panel and query uses."""
-DATASOURCE: Final = {"type": "tempo", "uid": "${" + DS_VARIABLE + "}"}
 ALL_REGEX: Final = ".*"
 """Custom "All" value of the multi-value variables: they are used as regexes (``=~``)."""
 SLOWEST_LIMIT: Final = 50

@@ -18,9 +18,6 @@ VARIABLE_RE: Final = re.compile(r"\$(?:\{(?P<braced>\w+)(?::(?P<fmt>\w+))?\}|(?P
 _REGEX_SPECIALS: Final = re.compile(r"[\\^$*+?.()|\[\]{}/]")
 """Characters Grafana's ``regex`` format escapes (its ``regexEscape``)."""
 
-ALL_REGEX: Final = ".*"
-"""The custom "All" value of the dashboards' multi-value variables."""
-
 
 def variable_names(text: str) -> list[str]:
     """Names of the variables referenced in ``text``, in order of appearance."""

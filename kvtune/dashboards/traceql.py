@@ -368,15 +368,6 @@ class Query:
                         names.add(str(b.value))
         return names
 
-    def regex_literals(self) -> list[tuple[Field, str]]:
-        """(field, pattern) for every ``=~``/``!~`` comparison."""
-        out = []
-        for node in _walk(self):
-            if isinstance(node, Comparison) and node.op in REGEX_OPS:
-                if isinstance(node.left, (Attribute, Intrinsic)) and isinstance(node.right, Static):
-                    out.append((node.left, str(node.right.value)))
-        return out
-
 
 def _walk(node: object):
     yield node

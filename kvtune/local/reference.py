@@ -18,11 +18,9 @@ from typing import Final
 
 from kvtune.local.errors import LocalPairError
 from kvtune.local.pair import SingleServer, default_model_dir
-from kvtune.local.tiny_model import MARKER_FILE, VOCAB_SIZE, make_tiny_model
+from kvtune.local.tiny_model import FIRST_PLAIN_TOKEN_ID, MARKER_FILE, VOCAB_SIZE, make_tiny_model
 
 CACHE_FILE_PREFIX: Final = "reference-"
-FIRST_PLAIN_TOKEN_ID: Final = 3
-"""Prompts use ids from here up (the tiny tokenizer's special tokens are 0..2)."""
 
 
 def random_prompt(n_tokens: int, *, seed: int) -> tuple[int, ...]:

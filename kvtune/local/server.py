@@ -39,13 +39,6 @@ SEED: Final = 0
 _LIVE: set[VllmServer] = set()
 
 
-def free_port() -> int:
-    """A TCP port free on 127.0.0.1 right now (bound to port 0, then released)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((HOST, 0))
-        return int(s.getsockname()[1])
-
-
 def free_ports(n: int) -> list[int]:
     """``n`` distinct free ports (held open together while choosing, so they differ)."""
     socks = []

@@ -38,6 +38,9 @@ EOS_TOKEN: Final = "<|endoftext|>"
 IM_START: Final = "<|im_start|>"
 IM_END: Final = "<|im_end|>"
 SPECIAL_TOKENS: Final = (EOS_TOKEN, IM_START, IM_END)
+FIRST_PLAIN_TOKEN_ID: Final = len(SPECIAL_TOKENS)
+"""Generated and reference prompts use token ids from here up (the tokenizer trainer gives the
+special tokens ids 0..2)."""
 
 CHAT_TEMPLATE: Final = (
     "{% for message in messages %}"

@@ -28,14 +28,12 @@ from kvtune.errors import ConfigError
 from kvtune.local import client
 from kvtune.local.errors import LocalPairError
 from kvtune.local.server import SERVED_MODEL_NAME
-from kvtune.local.tiny_model import VOCAB_SIZE
+from kvtune.local.tiny_model import FIRST_PLAIN_TOKEN_ID, VOCAB_SIZE
 from kvtune.spans import CONVERSATION_HEADER
 
 if TYPE_CHECKING:
     from kvtune.local.pair import LocalPair
 
-FIRST_PLAIN_TOKEN_ID: Final = 3
-"""Generated token ids start here (ids 0..2 are the tiny tokenizer's special tokens)."""
 REQUEST_TIMEOUT_S: Final = 300.0
 
 
@@ -157,7 +155,8 @@ class Target(Protocol):
 class HttpTarget:
     """An OpenAI-compatible ``/v1/completions`` endpoint (kvtune's router, or one vLLM server).
 
-    The conversation id goes in the ``spans.CONVERSATION_HEADER`` header, the request id in ``X-Request-Id``. Streams by default, to time the first token.
+    The conversation id goes in the ``spans.CONVERSATION_HEADER`` header, the request id in
+    ``X-Request-Id``. Streams by default, to time the first token.
     """
 
     def __init__(self, url: str, *, model: str = SERVED_MODEL_NAME, stream: bool = True,

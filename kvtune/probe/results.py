@@ -88,13 +88,6 @@ class ProbeSummary:
     duration_s: float
     warnings: tuple[str, ...] = field(default=())
 
-    def fit_for(self, op: str):
-        """The FloorFit of ``op`` (None when it could not be fitted)."""
-        for f in self.fits:
-            if f.op == op.upper():
-                return f.fit
-        return None
-
     def as_dict(self) -> dict:
         d = asdict(self)
         d["fits"] = [{"op": f.op, "error": f.error,

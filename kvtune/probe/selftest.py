@@ -24,7 +24,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         from nixl._api import nixl_agent, nixl_agent_config
         agent = nixl_agent("kvtune-check", nixl_agent_config(backends=[]))
-    except Exception as exc:  # noqa: BLE001 - reported, not raised
+    except Exception as exc:  # reported, not raised
         _say(transfer_ok=False, transfer_error=f"NIXL unusable: {type(exc).__name__}: {exc}")
         return 1
     plugins = list(agent.get_plugin_list())
@@ -33,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             agent.create_backend(name, {})
             backends.append({"name": name, "loaded": True})
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             backends.append({"name": name, "loaded": False, "error": f"{type(exc).__name__}: {exc}"[:200]})
     _say(plugins=plugins, backends=backends)
     del agent

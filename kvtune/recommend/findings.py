@@ -7,14 +7,12 @@ import pandas as pd
 
 from kvtune import spans as sc
 from kvtune.analysis.fit import FloorFit
-from kvtune.analysis.stalls import EXTRA_COLS, stall_diagnosis
+from kvtune.analysis.stalls import EXTRA_COLS, STALL_MS, stall_diagnosis
 from kvtune.analysis.workload import Workload
 from kvtune.local.layout import ONE_PROCESS_ENV, QUIET
 from kvtune.errors import AnalysisError
 from kvtune.recommend.results import Finding
 
-STALL_MS = 1000.0
-"""A transfer phase longer than 1 s is a stall (a lost notification, a hung registration...)."""
 RDMA_FABRIC_WORDS = ("rdma", "efa", "ib", "infiniband", "roce", "rc", "ud", "dc")
 """A fabric whose name holds one of these words is meant to run over RDMA (not TCP)."""
 TCP_TRANSPORTS = ("tcp",)

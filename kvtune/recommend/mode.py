@@ -117,7 +117,7 @@ def recommend_mode(workload: Workload, fit: FloorFit, prefill: PrefillCost, *,
     try:
         sim = None if not use_simulator else _simulated(workload, fit, prefill, ttl_s=ttl_s if ttl_s > 0 else None,
                          threshold_tokens=None if thr == math.inf else int(thr))
-    except Exception as exc:  # noqa: BLE001 - a simulator failure must not stop the advice
+    except Exception as exc:  # a simulator failure must not stop the advice
         logger.warning("kvtune.sim.expected_ttft failed; using the analytic model", exc_info=True)
         findings.append(Finding("simulator_failed", "info",
                                 f"the simulator failed ({type(exc).__name__}: {exc}); expected "

@@ -40,7 +40,6 @@ class RouterProcess:
                  log_path: str | Path | None = None, env: dict[str, str] | None = None,
                  python: str = sys.executable) -> None:
         self.config = config
-        self._own_dir = workdir is None
         self.workdir = Path(workdir or tempfile.mkdtemp(prefix="kvtune-router-"))
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.log_path = Path(log_path) if log_path else self.workdir / "router.log"

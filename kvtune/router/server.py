@@ -40,8 +40,9 @@ an upstream 4xx is passed through with the same headers. A body over ``max_body_
 
 Tracing: one ``kv.request`` span per proxied request, always a trace root (a client's own
 ``traceparent`` becomes a span link), with the mode, request id (= base request id: both legs get it
-as ``X-Request-Id``), the client's request id, conversation id, turn, chosen prefill and decode instances, prompt and output
-tokens, TTFT, stream flag, HTTP status, the history tokens offered to the prefill
+as ``X-Request-Id``), the client's request id, conversation id, turn, chosen prefill and decode
+instances, prompt and output tokens, TTFT, stream flag, HTTP status, the history tokens offered to
+the prefill
 (``kv.reuse.remote_tokens``, bidirectional) and ``error.type`` with ERROR status on failure.
 Responses carry ``X-Request-Id`` (the client's, else the router's id) and ``X-Kvtune-Request-Id``
 (the router's id, as in the legs and ``kv.base_request_id``).
@@ -70,8 +71,8 @@ from kvtune import spans
 from kvtune.errors import RouterError
 from kvtune.router.config import InstanceConfig, RouterConfig
 from kvtune.router.pool import InstancePool
-from kvtune.router.parsing import (CONVERSATION_FIELD, MAX_CLIENT_REQUEST_ID_CHARS,
-                                   REQUEST_ID_HEADER, RequestRejected, parse_request, text_problem)
+from kvtune.router.parsing import (MAX_CLIENT_REQUEST_ID_CHARS, REQUEST_ID_HEADER, RequestRejected,
+                                   parse_request, text_problem)
 from kvtune.router.state import ConversationStore, TurnStart, open_store
 from kvtune.router.tracing import (TRACEPARENT_HEADER, TRACER_NAME, client_span_context,
                                    current_traceparent, set_attributes)
@@ -297,7 +298,6 @@ class _HeaderDeadline(asyncio.Protocol):
         self._transport: asyncio.Transport | None = None
         self._timer: asyncio.TimerHandle | None = None
         self._tail = b""
-        self._seen = 0
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.Transport)
@@ -581,7 +581,7 @@ class Router:
         if call.conversation_id is not None:
             try:
                 start = await asyncio.to_thread(self.store.begin_turn, call.conversation_id)
-            except Exception as exc:  # noqa: BLE001 - a store failure never fails the request
+            except Exception as exc:  # a store failure never fails the request
                 self._state_failed(call, "begin_turn", exc)
             else:
                 call.turn = start.turn
@@ -794,7 +794,7 @@ class Router:
             try:
                 await asyncio.to_thread(self.store.store_params, call.conversation_id, params,
                                         inst.url)
-            except Exception as exc:  # noqa: BLE001 - the answer is already the client's
+            except Exception as exc:  # the answer is already the client's
                 self._state_failed(call, "store_params", exc)
 
     def _count_stream_params(self, call: _Call, watcher: _SseWatcher,

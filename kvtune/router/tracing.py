@@ -12,12 +12,10 @@ from typing import Any
 from opentelemetry import trace
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-from kvtune.spans import Role
+from kvtune.spans import TRACEPARENT_HEADER, Role
 
 _logger = logging.getLogger(__name__)
 TRACER_NAME = "kvtune.router"
-TRACEPARENT_HEADER = "traceparent"
-"""The W3C Trace Context header (``traceparent``), set on both legs."""
 _PROPAGATOR = TraceContextTextMapPropagator()
 
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 from kvtune.sim.config import (MODES, DecodeModel, Dist, Overheads, PrefillModel, ReuseSettings,
                                SimConfig, TransferModel, WorkloadSpec)
 from kvtune.sim.result import REQUEST_COLUMNS, SimResult, TtftEstimate, simulate
-from kvtune.sim.estimate import best_mode, expected_ttft  # noqa: E402 - after the result types
-from kvtune.sim import presets  # noqa: E402
+from kvtune.sim.estimate import best_mode, expected_ttft  # after the result types
+from kvtune.sim import presets
 
 __all__ = [
     "MODES", "DecodeModel", "Dist", "Overheads", "PrefillModel", "REQUEST_COLUMNS", "ReuseSettings",

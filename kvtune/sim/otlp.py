@@ -276,9 +276,3 @@ def readable_spans(result: SimResult) -> list:
             kind=SpanKind.SERVER if kind == _KIND_SERVER else SpanKind.INTERNAL,
             start_time=start, end_time=end, instrumentation_scope=scope))
     return out
-
-
-def write_requests(result: SimResult, path: Path) -> None:
-    """The per-request table as CSV (plain, for spreadsheets and notebooks)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    result.requests.to_csv(path, index=False)

@@ -60,10 +60,6 @@ def all_columns() -> tuple[str, ...]:
     return SPAN_COLUMNS + attribute_columns()
 
 
-def attribute_dtype(name: str) -> str:
-    return NULLABLE_DTYPES[spans.ATTRIBUTE_TYPES[name]]
-
-
 @dataclass(frozen=True)
 class Skipped:
     """A record left out by ``skip_bad``: where it was and why."""

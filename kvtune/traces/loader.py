@@ -212,7 +212,7 @@ class _Reader:
         name = path.name.lower()
         whole_doc = name.endswith((".json", ".json.gz"))
         try:
-            raw = open(path, "rb")  # noqa: SIM115 - closed below
+            raw = open(path, "rb")  # closed below
         except OSError as exc:
             raise TraceSourceError(f"{path}: cannot open: {exc}") from exc
         with raw:

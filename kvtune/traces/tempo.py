@@ -295,7 +295,7 @@ class TempoSource:
             url += "?" + urllib.parse.urlencode({k: v for k, v in params.items() if v is not None})
         req = urllib.request.Request(url, headers={"Accept": "application/json", **self.headers})
         try:
-            with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:  # noqa: S310
+            with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
                 body = resp.read(max_bytes + 1)
                 status = resp.status
                 missing = resp.length if len(body) <= max_bytes else None

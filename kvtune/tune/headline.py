@@ -12,13 +12,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvtune.recommend.results import NEVER
 from kvtune.tune.numbers import fmt_num, fmt_share, fmt_value
 
 THRESHOLD = "kv_recompute_threshold"
 TTL = "decoder_kv_blocks_ttl"
 MODE = "mode"
-NEVER = "never"
-"""The threshold's value when pulling history never pays (kvtune.recommend.results.NEVER)."""
 GOOD_R2 = 0.9
 """A floor fit with R^2 at or above this explains transfer time well (below: say it is weak)."""
 MIN_TRANSFERS = 30
@@ -142,7 +141,7 @@ def _confidence(rec: Mapping[str, Any]) -> tuple[str, ...]:
     if fq:
         r2, n = fq.get("r2"), fq.get("n_transfers")
         quality = ("good" if isinstance(r2, (int, float)) and r2 >= GOOD_R2 else "weak")
-        few = (f" — few transfers, wide intervals" if isinstance(n, int) and n < MIN_TRANSFERS
+        few = (" — few transfers, wide intervals" if isinstance(n, int) and n < MIN_TRANSFERS
                else "")
         line = (f"Fabric fit: {quality} (R² {fmt_num(r2)}) on {fmt_num(n)} transfers, "
                 f"{fmt_num(fq.get('n_sizes'))} sizes, {fmt_num(fq.get('n_outliers'))} outliers "

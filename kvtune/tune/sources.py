@@ -107,7 +107,7 @@ def _make(out: Path, *, seed: int, use_vllm: bool, probe_tokens: Sequence[int],
                                 f"connectors){on} through the kvtune router: {stats['requests_ok']} "
                                 f"requests in {stats['conversations']} conversations", fabric,
                                 details, tiny_model_dir())
-        except Exception as exc:  # noqa: BLE001 - any failure of the pair falls back to the sim
+        except Exception as exc:  # any failure of the pair falls back to the sim
             log.warning("the local vLLM pair could not produce spans (%s: %s); the simulator "
                         "stands in", type(exc).__name__, exc)
             details["pair_error"] = f"{type(exc).__name__}: {exc}"
@@ -254,7 +254,7 @@ def run_workload(url: str, *, seed: int = 0, first_prompt_tokens: Sequence[int] 
                 cid, first, salt = queue.pop(0)
             try:
                 conversation(cid, first, salt)
-            except Exception as exc:  # noqa: BLE001 - recorded; the other conversations go on
+            except Exception as exc:  # recorded; the other conversations go on
                 with lock:
                     stats["requests_failed"] += 1
                     stats["errors"].append(f"{cid}: {type(exc).__name__}: {exc}")
