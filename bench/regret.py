@@ -41,6 +41,17 @@ THRESHOLDS: tuple[int | str, ...] = (16, 64, 256, 1024, 4096, 16384, NEVER)
 TTLS_S: tuple[float, ...] = (30.0, 120.0, 480.0, 1800.0)
 NEVER_TOKENS = 1 << 40
 TRACE_SEED, EVAL_SEED = 1, 2
+RETENTION_SHARE = 0.5
+"""Share of the preset decode node's KV memory a user of that hardware would set aside for retained
+conversations (``hbm_budget_gb``); kvtune's default (10 GB) is a guess for hardware it knows
+nothing about."""
+
+
+def preset_hbm_budget_gb() -> float:
+    """``RETENTION_SHARE`` of the preset decode's KV memory, GB (tokens x bytes per token, as
+    ``kv.bytes`` counts them)."""
+    base = presets.public_h200_qwen3_32b()
+    return RETENTION_SHARE * base.decode.kv_capacity_tokens * base.transfer.kv_bytes_per_token / 1e9
 
 
 @dataclass(frozen=True)
@@ -129,7 +140,7 @@ class Row:
         return self.regret <= WITHIN_SHARE and self.rec_p50_ms <= self.default_p50_ms * (1 + 1e-9)
 
 
-def run_profile(p: Profile, bar: tqdm) -> Row:
+def run_profile(p: Profile, bar: tqdm, hbm_budget_gb: float) -> Row:
     base = presets.public_h200_qwen3_32b()
     # 1. the user's trace, under vLLM's defaults
     traced = configured(base, p.workload, VLLM_DEFAULT_MODE.value, VLLM_DEFAULT_THRESHOLD_TOKENS,
@@ -139,7 +150,7 @@ def run_profile(p: Profile, bar: tqdm) -> Row:
         simulate(traced).write_spans(path)
         bar.update(1)
         # 2. recommend from the spans, as a user would
-        tu = recommend(load(str(path)))
+        tu = recommend(load(str(path)), hbm_budget_gb=hbm_budget_gb)
     bar.update(1)
     rec_mode, rec_thr, rec_ttl = str(tu.mode.value), tu.threshold.value, float(tu.ttl.value)
     # 3. sweep on a fresh sample of the same traffic
@@ -180,23 +191,27 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="a third of the traffic (smoke run)")
     ap.add_argument("--only", help="comma-separated profile names")
     ap.add_argument("--out", help="also write the table (Markdown) to this file")
+    ap.add_argument("--hbm-budget-gb", type=float, default=None,
+                    help="recommend's hbm_budget_gb (default: half the preset decode's KV memory)")
     args = ap.parse_args()
     profs = profiles(1 / 3 if args.quick else 1.0)
     if args.only:
         keep = set(args.only.split(","))
         profs = [p for p in profs if p.name in keep]
+    budget = args.hbm_budget_gb if args.hbm_budget_gb is not None else preset_hbm_budget_gb()
     per = 2 + 2 + len(THRESHOLDS[:-1]) * len(TTLS_S) + 2
     t0 = time.perf_counter()
     rows: list[Row] = []
     with tqdm(total=per * len(profs), unit="run", desc="regret", file=sys.stderr) as bar:
         for p in profs:
             bar.set_postfix_str(p.name)
-            rows.append(run_profile(p, bar))
+            rows.append(run_profile(p, bar, budget))
     wall = time.perf_counter() - t0
     out = table(rows, profs)
     head = (f"# Simulator regret (public H200 preset; sweep: modes x thresholds {list(THRESHOLDS)} "
             f"x TTLs {list(TTLS_S)} s; vLLM defaults: {VLLM_DEFAULT_MODE.value}, threshold "
-            f"{VLLM_DEFAULT_THRESHOLD_TOKENS}, TTL {VLLM_DEFAULT_TTL_S:g} s; trace seed {TRACE_SEED}, "
+            f"{VLLM_DEFAULT_THRESHOLD_TOKENS}, TTL {VLLM_DEFAULT_TTL_S:g} s; recommend(hbm_budget_gb="
+            f"{budget:.0f}); trace seed {TRACE_SEED}, "
             f"evaluation seed {EVAL_SEED}; {wall:.0f} s wall)")
     print(head)
     print()

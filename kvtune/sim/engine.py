@@ -39,7 +39,7 @@ from kvtune.sim.config import SimConfig
 from kvtune.sim.timeline import RequestTimeline, Retention, Timeline
 from kvtune.sim.workload import Arrival, Traffic
 
-PUSH, PULL, BIDI = spans.Mode.PUSH.value, spans.Mode.PULL.value, spans.Mode.BIDIRECTIONAL.value
+PUSH, PULL, BIDI = spans.Mode.PUSH, spans.Mode.PULL, spans.Mode.BIDIRECTIONAL
 _NAN = math.nan
 _PROGRESS_EVERY_EVENTS = 20000  # progress bar refresh period, in events
 MAX_RUN_STEPS = 128
@@ -135,7 +135,7 @@ class Simulation:
         bar = None
         if self.progress:
             from tqdm import tqdm
-            bar = tqdm(total=round(horizon_ms / 1e3), unit="sim-s", desc=f"sim {self.mode}",
+            bar = tqdm(total=round(horizon_ms / 1e3), unit="sim-s", desc=f"sim {self.mode.value}",
                        leave=False, mininterval=0.5)
         shown = 0
         n = 0
