@@ -58,7 +58,9 @@ def test_mode_evidence_names_every_simulator_input_and_its_source(tmp_path):
     assert by_name["transfer.kv_bytes_per_token"].source.startswith("measured")
     assert by_name["decode.loop_per_descriptor_us"].source == "preset public-h200-qwen3-32b"
     assert by_name["workload.qps"].source.startswith("measured: trace workload")
-    assert by_name["reuse.threshold_tokens"].value == tu.threshold.value
+    if tu.threshold.value != "never":
+        assert by_name["reuse.threshold_tokens"].value == tu.threshold.value
+        assert by_name["reuse.threshold_tokens"].source.startswith("setting")
     js = tu.as_dict()["mode"]["evidence"]["sim_inputs"]
     assert {"name": "decode.loop_per_descriptor_us", "value": 0.23,
             "source": "preset public-h200-qwen3-32b"} in js
