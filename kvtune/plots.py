@@ -127,10 +127,9 @@ def threshold_curve(tuning: Any, prefill: Any, *, max_tokens: int | None = None,
     go = _go()
     thr = tuning.threshold
     ev = thr.evidence
-    c = float(ev["wire_ms_per_token"])
-    floor = float(ev["floor_ms"])
-    top = max_tokens or int(max(ev.get("max_context_tokens") or 0,
-                                (ev.get("break_even_tokens") or 0) * 2, 256))
+    c = float(ev.wire_ms_per_token)
+    floor = float(ev.floor_ms)
+    top = max_tokens or int(max(ev.max_context_tokens or 0, (ev.break_even_tokens or 0) * 2, 256))
     xs = np.unique(np.geomspace(1, top, 120).astype(int))
     fig = go.Figure()
     fig.add_trace(go.Scatter(x=xs, y=[floor + x * c for x in xs], name="pull: floor + wire",

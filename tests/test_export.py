@@ -28,13 +28,20 @@ def _tuning(mode: str = "bidirectional", threshold: int | str = 300, ttl: int = 
                    floor_ci_ms=(1.9, 2.1), bandwidth_ci_gbps=(39.0, 41.0),
                    per_descriptor_ci_us=(4.8, 5.2), r2=0.99, n_transfers=144, n_sizes=6,
                    source="t.jsonl")
-    ttft = {m: {"p50": 100.0, "p99": 200.0} for m in ("pull", "push", "bidirectional")}
+    ttft = {m: TtftMs(100.0, 200.0) for m in ("pull", "push", "bidirectional")}
+    thr_ev = ThresholdEvidence(
+        break_even_tokens=None, floor_ms=2.0, bandwidth_gbps=40.0, per_descriptor_us=5.0,
+        bytes_per_token=1024.0, descriptors_per_token=1.0, wire_ms_per_token=0.01,
+        prefill_per_token_ms=0.02, prefill_per_token_prefix_us=0.0, max_context_tokens=4000,
+        fit_r2=0.99, fit_n_transfers=144, prefill_n_observations=100)
+    ttl_ev = TtlEvidence(n_gaps=0, hbm_budget_gb=10.0, bytes_per_token=1024.0,
+                         threshold_tokens=300.0, duration_s=60.0, peak_to_mean=2.0)
     return Tuning(
         threshold=Recommendation("kv_recompute_threshold", threshold, (200, 400), "tokens",
-                                 {"floor_ms": 2.0}, ("a",)),
-        ttl=Recommendation("decoder_kv_blocks_ttl", ttl, (100, 140), "s", {}, ()),
+                                 thr_ev, ("a",)),
+        ttl=Recommendation("decoder_kv_blocks_ttl", ttl, (100, 140), "s", ttl_ev, ()),
         mode=Recommendation("mode", mode, (mode, "pull"), "mode",
-                            {"model": "analytic", "expected_ttft_ms": ttft}, ()),
+                            ModeEvidence(model="analytic", excluded={}, expected_ttft_ms=ttft), ()),
         findings=(), fit=fit, source="t.jsonl", span_count=1234)
 
 

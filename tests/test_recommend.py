@@ -6,7 +6,7 @@ import math
 import pytest
 
 from kvtune import spans as sc
-from kvtune.analysis import FloorFit, PrefillCost, Workload
+from kvtune.analysis import FloorFit, PrefillCost, TracedRequest, Workload
 from kvtune.analysis import synthetic as syn
 from kvtune.errors import AnalysisError, ConfigError
 from kvtune.recommend import NEVER, Tuning, recommend
@@ -36,9 +36,9 @@ def test_threshold_linear_hand_computed():
     rec, findings = recommend_threshold(_fit(), _prefill(), bytes_per_token=BPT,
                                         descriptors_per_token=0, max_context_tokens=10_000)
     assert rec.value == 50
-    assert rec.evidence["break_even_tokens"] == pytest.approx(50.0)
-    assert rec.evidence["pull_ms_at_break_even"] == pytest.approx(2.5)
-    assert rec.evidence["recompute_ms_at_break_even"] == pytest.approx(2.5)
+    assert rec.evidence.break_even_tokens == pytest.approx(50.0)
+    assert rec.evidence.pull_ms_at_break_even == pytest.approx(2.5)
+    assert rec.evidence.recompute_ms_at_break_even == pytest.approx(2.5)
     assert rec.unit == "tokens" and rec.name == "kv_recompute_threshold"
     assert findings == []
 
@@ -49,7 +49,7 @@ def test_threshold_with_attention_term_hand_computed():
     expected = (-0.04 + math.sqrt(0.04 ** 2 + 4 * 2e-6 * 2)) / (2 * 2e-6)
     rec, _ = recommend_threshold(_fit(), _prefill(prefix_us=4.0), bytes_per_token=BPT,
                                  descriptors_per_token=0, max_context_tokens=10_000)
-    assert rec.evidence["break_even_tokens"] == pytest.approx(expected)
+    assert rec.evidence.break_even_tokens == pytest.approx(expected)
     assert rec.value == math.ceil(expected)
 
 
@@ -75,7 +75,7 @@ def test_threshold_never_when_floor_is_too_high():
 def test_threshold_never_when_wire_is_slower_than_compute():
     rec, _ = recommend_threshold(_fit(bw_gbps=0.8), _prefill(), bytes_per_token=BPT,
                                  descriptors_per_token=0, max_context_tokens=10 ** 9)
-    assert rec.value == NEVER and rec.evidence["break_even_tokens"] is None
+    assert rec.value == NEVER and rec.evidence.break_even_tokens is None
 
 
 def _workload(gaps, gap_tokens, final_tokens, duration_s=100.0) -> Workload:
@@ -86,8 +86,8 @@ def _workload(gaps, gap_tokens, final_tokens, duration_s=100.0) -> Workload:
                     gaps_s=tuple(gaps), reuse_outcomes={}, duration_s=duration_s,
                     n_conversations=len(final_tokens), gap_tokens=tuple(gap_tokens),
                     final_tokens=tuple(final_tokens),
-                    requests=tuple([(1000, 0, math.nan)] * len(final_tokens)
-                                   + [(1100, t, g) for g, t in zip(gaps, gap_tokens)]))
+                    requests=tuple([TracedRequest(1000, 0, math.nan)] * len(final_tokens)
+                                   + [TracedRequest(1100, t, g) for g, t in zip(gaps, gap_tokens)]))
 
 
 W3 = dict(gaps=[10.0, 20.0, 30.0], gap_tokens=[1000, 1000, 1000], final_tokens=[1000, 1000])
@@ -99,10 +99,10 @@ def test_ttl_uncapped_hand_computed():
     rec, findings = recommend_ttl(_workload(**W3), bytes_per_token=1e6, hbm_budget_gb=10.0,
                                   threshold_tokens=50)
     assert rec.value == 44
-    assert rec.evidence["retained_gb_at_ttl"] == pytest.approx(2.96)
-    assert rec.evidence["router_margin_s"] == pytest.approx(11.0)
-    assert rec.evidence["router_params_ttl_s"] == pytest.approx(33.0)
-    assert rec.evidence["captured_share"] == pytest.approx(1.0)
+    assert rec.evidence.retained_gb_at_ttl == pytest.approx(2.96)
+    assert rec.evidence.router_margin_s == pytest.approx(11.0)
+    assert rec.evidence.router_params_ttl_s == pytest.approx(33.0)
+    assert rec.evidence.captured_share == pytest.approx(1.0)
     assert findings == []
     assert rec.range[0] <= rec.value <= rec.range[1]
 
@@ -112,24 +112,24 @@ def test_ttl_capped_by_memory_hand_computed():
     rec, findings = recommend_ttl(_workload(**W3), bytes_per_token=1e6, hbm_budget_gb=2.0,
                                   threshold_tokens=50)
     assert rec.value == 23
-    assert rec.evidence["memory_cap_ttl_s"] == pytest.approx(70 / 3, rel=1e-6)
+    assert rec.evidence.memory_cap_ttl_s == pytest.approx(70 / 3, rel=1e-6)
     # router TTL 23 - 5.75 = 17.25 s: only the 10 s gap is still reused
-    assert rec.evidence["captured_share"] == pytest.approx(1 / 3)
+    assert rec.evidence.captured_share == pytest.approx(1 / 3)
     assert [f.code for f in findings] == ["ttl_capped_by_memory"]
-    assert rec.evidence["retained_gb_at_ttl"] <= 2.0
+    assert rec.evidence.retained_gb_at_ttl <= 2.0
 
 
 def test_ttl_zero_budget_retains_nothing():
     rec, findings = recommend_ttl(_workload(**W3), bytes_per_token=1e6, hbm_budget_gb=0.0,
                                   threshold_tokens=50)
-    assert rec.value == 0 and rec.evidence["captured_share"] == 0.0
+    assert rec.value == 0 and rec.evidence.captured_share == 0.0
     assert [f.code for f in findings] == ["ttl_capped_by_memory"]
 
 
 def test_ttl_ignores_histories_below_threshold():
     rec, _ = recommend_ttl(_workload([10.0, 300.0], [1000, 10], [1000]), bytes_per_token=1e3,
                            hbm_budget_gb=10.0, threshold_tokens=50)
-    assert rec.evidence["uncapped_ttl_s"] == pytest.approx(11.0 + 11.0 / 3)
+    assert rec.evidence.uncapped_ttl_s == pytest.approx(11.0 + 11.0 / 3)
 
 
 def test_ttl_no_multi_turn():
@@ -144,21 +144,21 @@ def test_mode_choices_and_exclusions():
     fit, pc = _fit(), _prefill()
     kw = dict(bytes_per_token=BPT, descriptors_per_token=0, use_simulator=False)
     rec, _ = recommend_mode(wl, fit, pc, threshold=50, ttl_s=44, **kw)
-    ttft = rec.evidence["expected_ttft_ms"]
-    assert rec.evidence["model"] == "analytic"
+    ttft = rec.evidence.as_dict()["expected_ttft_ms"]
+    assert rec.evidence.model == "analytic"
     assert set(ttft) == {"pull", "push", "bidirectional"}
     # analytic: push saves pull's control hop exactly; bidirectional skips recomputing histories
     assert ttft["pull"]["p50"] - ttft["push"]["p50"] == pytest.approx(2.0)
     assert ttft["bidirectional"]["p50"] < ttft["pull"]["p50"]
-    best = min(rec.evidence["allowed"], key=lambda m: ttft[m]["p50"])
+    best = min(rec.evidence.allowed, key=lambda m: ttft[m]["p50"])
     gain = 1 - ttft[best]["p50"] / ttft["pull"]["p50"]
     assert rec.value == (best if gain > 0.02 else "pull")
     rec, _ = recommend_mode(wl, fit, pc, threshold=NEVER, ttl_s=44, early_decode_ok=False, **kw)
     assert rec.value == "pull"
-    assert set(rec.evidence["excluded"]) == {"push", "bidirectional"}
+    assert set(rec.evidence.excluded) == {"push", "bidirectional"}
     no_turns = _workload([], [], [1000, 1000])
     rec, _ = recommend_mode(no_turns, fit, pc, threshold=50, ttl_s=0, **kw)
-    assert rec.value in ("pull", "push") and "bidirectional" in rec.evidence["excluded"]
+    assert rec.value in ("pull", "push") and "bidirectional" in rec.evidence.excluded
 
 
 @pytest.fixture(scope="module")
@@ -170,9 +170,9 @@ def case_spans():
 def test_mode_uses_the_simulator_when_present(case_spans):
     pytest.importorskip("kvtune.sim.estimate")
     tu = recommend(case_spans, n_boot=20)
-    assert tu.mode.evidence["model"] == "kvtune.sim"
-    assert set(tu.mode.evidence["expected_ttft_ms"]) == {"pull", "push", "bidirectional"}
-    assert tu.mode.evidence["analytic_ttft_ms"] != tu.mode.evidence["expected_ttft_ms"]
+    assert tu.mode.evidence.model == "kvtune.sim"
+    assert set(tu.mode.evidence.expected_ttft_ms) == {"pull", "push", "bidirectional"}
+    assert tu.mode.evidence.analytic_ttft_ms != tu.mode.evidence.expected_ttft_ms
 
 
 def test_recommend_end_to_end_on_synthetic(case_spans):
@@ -222,7 +222,7 @@ def test_geometry_sets_bytes_per_token(case_spans):
     assert with_g.extra["bytes_per_token"] == g.bytes_per_token == 262144
     assert with_g.extra["descriptors_per_token"] == pytest.approx(128 / 16)
     # twice the bytes per token: the wire costs more per token, so break-even moves up
-    assert with_g.threshold.evidence["break_even_tokens"] > plain.threshold.evidence["break_even_tokens"]
+    assert with_g.threshold.evidence.break_even_tokens > plain.threshold.evidence.break_even_tokens
 
 
 def test_recommend_bad_input():
@@ -285,3 +285,67 @@ def test_a_trace_mixing_vllm_releases_gets_a_finding(tmp_path):
     tu = recommend(plain, n_boot=10, use_simulator=False)
     assert tu.extra["versions"] == {"vllm": {}, "nixl": {}}
     assert "mixed_versions" not in {f.code for f in tu.findings}
+
+
+def test_threshold_range_includes_the_prefill_fits_interval():
+    # fabric exact; per-token recompute 0.04..0.06 ms: break-even 2/(0.06-0.01)=40 .. 2/(0.04-0.01)=67
+    from dataclasses import replace
+    pc = replace(_prefill(), per_token_ci_ms=(0.04, 0.06), per_token_prefix_ci_us=(0.0, 0.0))
+    rec, _ = recommend_threshold(_fit(), pc, bytes_per_token=BPT, descriptors_per_token=0,
+                                 max_context_tokens=10_000)
+    assert rec.value == 50
+    assert rec.range == (40, 67)
+    assert rec.evidence.break_even_range_prefill_tokens == pytest.approx((40.0, 200 / 3))
+    assert rec.evidence.break_even_range_fabric_tokens == pytest.approx((50.0, 50.0))
+    # without a prefill interval only the fabric's uncertainty is in the range (and it says so)
+    rec, _ = recommend_threshold(_fit(), _prefill(), bytes_per_token=BPT, descriptors_per_token=0,
+                                 max_context_tokens=10_000)
+    assert rec.range == (50, 50)
+    assert any("gave no interval" in a for a in rec.assumptions)
+
+
+def test_prefill_fit_interval_covers_the_truth_on_noisy_spans():
+    import numpy as np
+    import pandas as pd
+
+    from kvtune.analysis import prefill_cost
+    rng = np.random.default_rng(3)
+    r = rng.integers(100, 8000, 300).astype(float)
+    ms = (5.0 + 0.03 * r + (r ** 2 / 2) / 1000 * 2.0 / 1e3) * (1 + 0.05 * rng.standard_normal(300))
+    spans = pd.DataFrame({"name": sc.SpanName.PREFILL.value, sc.COMPUTED_TOKENS: r,
+                          sc.CACHED_TOKENS: 0.0, sc.PROMPT_TOKENS: r, "status": "OK",
+                          "duration_ms": ms})
+    pc = prefill_cost(spans)
+    lo, hi = pc.per_token_ci_ms
+    assert lo < 0.03 < hi and hi - lo < 0.01
+    lo, hi = pc.per_token_prefix_ci_us
+    assert lo < 2.0 < hi
+
+
+def test_evidence_json_keeps_the_shape_recommendation_json_always_had(case_spans):
+    tu = recommend(case_spans, n_boot=20, use_simulator=False)
+    d = tu.as_dict()
+    assert set(d["threshold"]["evidence"]) >= {
+        "break_even_tokens", "floor_ms", "bandwidth_gbps", "per_descriptor_us", "bytes_per_token",
+        "descriptors_per_token", "wire_ms_per_token", "prefill_per_token_ms",
+        "prefill_per_token_prefix_us", "max_context_tokens", "fit_r2", "fit_n_transfers",
+        "prefill_n_observations", "pull_ms_at_break_even", "recompute_ms_at_break_even"}
+    assert set(d["ttl"]["evidence"]) == {
+        "n_gaps", "hbm_budget_gb", "bytes_per_token", "threshold_tokens", "duration_s",
+        "peak_to_mean", "gap_s_p50", "gap_s_p90", "gap_s_max", "uncapped_ttl_s",
+        "memory_cap_ttl_s", "retained_gb_at_ttl", "captured_share", "captured_share_uncapped",
+        "router_decoder_ttl_s", "router_margin_s", "router_params_ttl_s"}
+    assert set(d["mode"]["evidence"]) >= {
+        "model", "expected_ttft_ms", "analytic_ttft_ms", "allowed", "excluded",
+        "multi_turn_share", "prompt_tokens_p50", "qps", "early_decode_ok",
+        "prefill_utilisation_pull", "reused_share_bidirectional"}
+    assert set(d["mode"]["evidence"]["expected_ttft_ms"]["pull"]) == {"p50", "p99"}
+    # cases with less to say leave keys out, as before
+    rec, _ = recommend_ttl(_workload([], [], [1000]), bytes_per_token=BPT, hbm_budget_gb=1.0,
+                           threshold_tokens=50)
+    assert set(rec.as_dict()["evidence"]) == {
+        "n_gaps", "hbm_budget_gb", "bytes_per_token", "threshold_tokens", "duration_s",
+        "peak_to_mean", "router_decoder_ttl_s", "router_margin_s", "captured_share"}
+    rec, _ = recommend_threshold(_fit(bw_gbps=0.8), _prefill(), bytes_per_token=BPT,
+                                 descriptors_per_token=0, max_context_tokens=10 ** 9)
+    assert "pull_ms_at_break_even" not in rec.as_dict()["evidence"]

@@ -35,5 +35,56 @@ def test_recommend_recovers_the_simulators_model(tmp_path, mode):
     assert tu.extra["bytes_per_token"] == pytest.approx(cfg.transfer.kv_bytes_per_token, rel=0.005)
     # the threshold is the break-even of exactly these recovered costs
     ev = tu.threshold.evidence
-    if ev["break_even_tokens"] is not None:
-        assert ev["pull_ms_at_break_even"] == pytest.approx(ev["recompute_ms_at_break_even"])
+    if ev.break_even_tokens is not None:
+        assert ev.pull_ms_at_break_even == pytest.approx(ev.recompute_ms_at_break_even)
+
+
+def test_mode_evidence_names_every_simulator_input_and_its_source(tmp_path):
+    from kvtune.traces import load
+
+    cfg = presets.public_h200_qwen3_32b(mode="pull")
+    cfg = replace(cfg, workload=replace(cfg.workload, duration_s=90.0,
+                                        prompt_tokens=sim.Dist.parse("lognormal:2000,0.6"),
+                                        turns=sim.Dist.parse("uniform:1,5")))
+    path = tmp_path / "sim.jsonl"
+    sim.simulate(cfg).write_spans(path)
+    tu = recommend(load(str(path)), n_boot=20)
+    ev = tu.mode.evidence
+    assert ev.model == "kvtune.sim"
+    by_name = {i.name: i for i in ev.sim_inputs}
+    assert by_name["transfer.floor_ms"].source.startswith("measured: floor fit")
+    assert by_name["transfer.floor_ms"].value == pytest.approx(tu.fit.floor_ms)
+    assert by_name["prefill.per_token_ms"].source == "measured: prefill fit"
+    assert by_name["transfer.kv_bytes_per_token"].source.startswith("measured")
+    assert by_name["decode.loop_per_descriptor_us"].source == "preset public-h200-qwen3-32b"
+    assert by_name["workload.qps"].source.startswith("measured: trace workload")
+    if tu.threshold.value != "never":
+        assert by_name["reuse.threshold_tokens"].value == tu.threshold.value
+        assert by_name["reuse.threshold_tokens"].source.startswith("setting")
+    js = tu.as_dict()["mode"]["evidence"]["sim_inputs"]
+    assert {"name": "decode.loop_per_descriptor_us", "value": 0.23,
+            "source": "preset public-h200-qwen3-32b"} in js
+    # both models' winners are named; when they differ a finding says why and the range holds both
+    assert ev.analytic_best in ev.allowed and ev.simulated_best == tu.mode.value
+    disagree = [f for f in tu.findings if f.code == "mode_models_disagree"]
+    if ev.models_agree:
+        assert not disagree
+    else:
+        assert len(disagree) == 1 and set(tu.mode.range) == {ev.simulated_best, ev.analytic_best}
+        assert "decode.loop_per_descriptor_us" in disagree[0].message
+
+
+def test_models_disagree_finding_says_which_preset_values_the_analytic_model_lacks():
+    from kvtune.recommend.mode import _disagreement
+    from kvtune.sim import SimInput
+
+    f = _disagreement("push", "bidirectional", {"push": (100.0, 1.0), "bidirectional": (110.0, 1.0)},
+                      {"push": (90.0, 1.0), "bidirectional": (80.0, 1.0)},
+                      (SimInput("decode.loop_per_descriptor_us", 0.23, "preset p"),
+                       SimInput("prefill.per_token_ms", 0.02, "measured: prefill fit")))
+    assert f.code == "mode_models_disagree" and f.severity == "warning"
+    assert "the simulator push" in f.message and "the analytic model bidirectional" in f.message
+    assert "decode.loop_per_descriptor_us = 0.23 (preset p)" in f.message
+    assert "prefill.per_token_ms" not in f.message
+    assert f.evidence["preset_inputs"] == [{"name": "decode.loop_per_descriptor_us", "value": 0.23,
+                                            "source": "preset p"}]

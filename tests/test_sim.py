@@ -13,7 +13,7 @@ import pytest
 from kvtune import spans as S
 from kvtune.errors import KvtuneError, SimError
 from kvtune.sim import (REQUEST_COLUMNS, DecodeModel, Dist, Overheads, PrefillModel, ReuseSettings,
-                        SimConfig, TransferModel, WorkloadSpec, simulate)
+                        SimConfig, TransferModel, WorkloadSpec, from_fit, simulate)
 from kvtune.sim.workload import spec_from_workload
 
 PROMPT = 4096
@@ -197,7 +197,7 @@ def test_config_errors_name_the_field():
     with pytest.raises(SimError, match="DecodeModel.loop_per_descriptor_us"):
         tiny("pull", decode=DecodeModel(step_base_ms=1.0, loop_per_descriptor_us=-1.0))
     with pytest.raises(SimError, match="floor_fit.floor_ms"):
-        SimConfig.from_fit(SimpleNamespace(floor_ms=None, bandwidth_gbps=1.0), None)
+        from_fit(SimpleNamespace(floor_ms=None, bandwidth_gbps=1.0), None)
 
 
 def test_dist_parse_and_sample():
@@ -211,8 +211,8 @@ def test_dist_parse_and_sample():
 def test_from_fit_takes_fabric_and_prefill_fields():
     fit = SimpleNamespace(floor_ms=12.5, bandwidth_gbps=100.0, per_descriptor_us=None)
     cost = SimpleNamespace(per_token_ms=0.02, per_token_prefix_us=1.5, base_ms=3.0)
-    cfg = SimConfig.from_fit(fit, cost, mode="pull")
-    assert cfg.mode == "pull"
+    cfg = from_fit(fit, cost, mode="pull")
+    assert cfg.mode is S.Mode.PULL
     assert (cfg.transfer.floor_ms, cfg.transfer.bandwidth_gbps, cfg.transfer.per_descriptor_us) == (12.5, 100.0, 0.0)
     assert cfg.prefill.compute_ms(1000, 2000) == pytest.approx(3.0 + 20.0 + (2000 + 500) * 1.5 / 1e3)
     try:
@@ -222,7 +222,7 @@ def test_from_fit_takes_fabric_and_prefill_fields():
     real = FloorFit(floor_ms=7.0, bandwidth_gbps=50.0, per_descriptor_us=0.3, floor_ci_ms=(6.0, 8.0),
                     bandwidth_ci_gbps=(40.0, 60.0), per_descriptor_ci_us=(0.2, 0.4), r2=0.99,
                     n_transfers=100, n_sizes=6)
-    cfg = SimConfig.from_fit(real, None)
+    cfg = from_fit(real, None)
     assert cfg.transfer.floor_ms == 7.0 and cfg.transfer.per_descriptor_us == 0.3
 
 

@@ -8,6 +8,7 @@ import pytest
 
 from kvtune.sim import presets as P
 from kvtune.sim import simulate
+from kvtune.spans import Mode
 from kvtune.sim.estimate import best_mode, expected_ttft
 
 TOLERANCE = 0.15  # the bar: each published TTFT within 15%
@@ -113,9 +114,9 @@ def test_recommendation_picks_push_for_long_single_shot_prompts_at_high_qps():
     w = _workload(qps=8.0, prompt_tokens_p50=16000.0, prompt_tokens_p90=17000.0,
                   prompt_tokens_p99=18000.0, output_tokens_p50=256.0)
     est = expected_ttft(w, *_fits())
-    assert set(est) == {"push", "pull", "bidirectional"}
+    assert set(est) == {Mode.PUSH, Mode.PULL, Mode.BIDIRECTIONAL}
     assert best_mode(est) == "push"
-    assert est["pull"].p50_ms > 1.3 * est["push"].p50_ms
+    assert est[Mode.PULL].p50_ms > 1.3 * est[Mode.PUSH].p50_ms
 
 
 def test_recommendation_picks_bidirectional_for_long_agent_sessions():
@@ -124,15 +125,15 @@ def test_recommendation_picks_bidirectional_for_long_agent_sessions():
                   turns_per_conversation_mean=10.0, gaps_s=(2.0, 4.0, 6.0, 10.0, 15.0))
     est = expected_ttft(w, *_fits())
     assert best_mode(est) == "bidirectional"
-    assert est["bidirectional"].reuse_share > 0.5
+    assert est[Mode.BIDIRECTIONAL].reuse_share > 0.5
 
 
 def test_expected_ttft_accepts_a_config_and_a_replay_frame():
     import pandas as pd
     cfg = P.push_pull_scenario("push", 2000, 2.0, duration_s=20.0)
     est = expected_ttft(cfg, modes=("push", "pull"))
-    assert set(est) == {"push", "pull"} and est["push"].n_requests > 10
+    assert set(est) == {Mode.PUSH, Mode.PULL} and est[Mode.PUSH].n_requests > 10
     frame = pd.DataFrame({"arrival_s": [0.0, 0.5, 1.0], "prompt_tokens": [1000, 2000, 3000],
                           "output_tokens": [10, 10, 10]})
     est = expected_ttft(frame, modes=("pull",))
-    assert est["pull"].n_requests == 3
+    assert est[Mode.PULL].n_requests == 3

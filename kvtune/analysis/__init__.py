@@ -6,8 +6,8 @@ from kvtune.analysis.fit import FloorFit, fit_floor, fit_floor_points
 from kvtune.analysis.prefill import PrefillCost, prefill_cost
 from kvtune.analysis.summary import AnalysisSummary, summarize
 from kvtune.analysis.transfers import TRANSFER_COLUMNS, empty_transfers, transfers
-from kvtune.analysis.workload import Workload, workload
+from kvtune.analysis.workload import TracedRequest, Workload, workload
 
-__all__ = ["AnalysisSummary", "FloorFit", "PrefillCost", "TRANSFER_COLUMNS", "Workload",
+__all__ = ["AnalysisSummary", "FloorFit", "PrefillCost", "TRANSFER_COLUMNS", "TracedRequest", "Workload",
            "empty_transfers", "fit_floor", "fit_floor_points", "prefill_cost", "summarize",
            "transfers", "workload"]

@@ -43,6 +43,10 @@ class PrefillCost:
     r2: float = float("nan")
     source: str = ""
     max_tokens_observed: int = 0
+    per_token_ci_ms: tuple[float, float] | None = None
+    """95% interval of ``per_token_ms`` (None: not estimated)."""
+    per_token_prefix_ci_us: tuple[float, float] | None = None
+    """95% interval of ``per_token_prefix_us``."""
 
     def predict_ms(self, new_tokens: float, prefix_tokens: float = 0) -> float:
         """Time to compute ``new_tokens`` tokens after ``prefix_tokens`` already-present ones."""
@@ -60,7 +64,9 @@ class PrefillCost:
     def as_dict(self) -> dict:
         return {"per_token_ms": self.per_token_ms, "per_token_prefix_us": self.per_token_prefix_us,
                 "base_ms": self.base_ms, "n_observations": self.n_observations, "r2": self.r2,
-                "source": self.source, "max_tokens_observed": self.max_tokens_observed}
+                "source": self.source, "max_tokens_observed": self.max_tokens_observed,
+                "per_token_ci_ms": self.per_token_ci_ms,
+                "per_token_prefix_ci_us": self.per_token_prefix_ci_us}
 
 
 def _observations(spans: pd.DataFrame) -> tuple[np.ndarray, np.ndarray, np.ndarray, str]:
@@ -136,6 +142,44 @@ def prefill_cost(spans: pd.DataFrame) -> PrefillCost:
     ybar = float(np.sum(w * ms) / np.sum(w))
     ss_tot = float(np.sum(w * (ms - ybar) ** 2))
     r2 = 1.0 - float(np.sum(w * (ms - fitted) ** 2)) / ss_tot if ss_tot > 0 else 0.0
+    half = _half_widths(x, ms, beta, w, active)
     return PrefillCost(per_token_ms=float(beta[1]), per_token_prefix_us=float(beta[2]) * 1e3,
                        base_ms=float(beta[0]), n_observations=int(len(r)), r2=r2, source=source,
-                       max_tokens_observed=int(np.max(r + prefix)))
+                       max_tokens_observed=int(np.max(r + prefix)),
+                       per_token_ci_ms=_interval(beta[1], half[1]),
+                       per_token_prefix_ci_us=_interval(beta[2] * 1e3, half[2] * 1e3))
+
+
+Z_95 = 1.96
+"""Normal quantile of a two-sided 95% interval."""
+
+
+def _half_widths(x: np.ndarray, y: np.ndarray, beta: np.ndarray, w: np.ndarray,
+                 active: list[int]) -> np.ndarray:
+    """95% half-widths of the coefficients from the robust fit's final weighted least squares on
+    relative residuals (weights ``w / fitted^2``): ``Z_95 * sqrt(diag(s^2 (X'WX)^-1))``. Terms
+    fixed at 0 by the non-negativity constraint get 0; too few points give NaN."""
+    out = np.zeros(x.shape[1])
+    fitted = np.maximum(x @ beta, 1e-9)
+    xa = x[:, active]
+    dof = float(np.sum(w > 0)) - len(active)
+    if dof <= 0:
+        out[active] = np.nan
+        return out
+    rel = (y - fitted) / fitted
+    s2 = float(np.sum(w * rel ** 2)) / dof
+    ww = w / fitted ** 2
+    try:
+        cov = s2 * np.linalg.inv(xa.T @ (xa * ww[:, None]))
+    except np.linalg.LinAlgError:
+        out[active] = np.nan
+        return out
+    out[active] = Z_95 * np.sqrt(np.clip(np.diag(cov), 0.0, None))
+    return out
+
+
+def _interval(value: float, half: float) -> tuple[float, float] | None:
+    """(value - half, value + half), clipped at 0 (a cost); None when ``half`` is not known."""
+    if not np.isfinite(half):
+        return None
+    return (max(0.0, float(value - half)), float(value + half))

@@ -20,6 +20,18 @@ from kvtune.errors import AnalysisError
 
 
 @dataclass(frozen=True)
+class TracedRequest:
+    """One traced request with a known prompt length."""
+
+    prompt_tokens: int
+    history_tokens: int
+    """Tokens of history carried from the previous turn (its prompt + output, at most this
+    prompt); 0 for a first turn."""
+    gap_s: float
+    """Since the previous turn's end, seconds; NaN for a first turn."""
+
+
+@dataclass(frozen=True)
 class Workload:
     """What the traffic looked like. Token percentiles are NaN when unknown.
 
@@ -45,9 +57,8 @@ class Workload:
     gap_tokens: tuple[int, ...] = ()
     final_tokens: tuple[int, ...] = ()
     prompt_tokens: tuple[int, ...] = field(default=(), repr=False)
-    requests: tuple[tuple[int, int, float], ...] = field(default=(), repr=False)
-    """Per request with a known prompt: (prompt tokens, history tokens from the previous turn,
-    gap since the previous turn's end in s); history 0 and gap NaN for first turns."""
+    requests: tuple[TracedRequest, ...] = field(default=(), repr=False)
+    """Per request with a known prompt length (first turns: history 0, gap NaN)."""
     source: str = ""
 
     def as_dict(self) -> dict:
@@ -156,14 +167,15 @@ def workload(spans: pd.DataFrame) -> Workload:
     final_tokens = g["_hist"].last().astype(int).tolist()
     turns = g.size().tolist()
     n_later = int(later.sum())
-    per_request: list[tuple[int, int, float]] = []
+    per_request: list[TracedRequest] = []
     prompt = conv["prompt"].astype("Float64")
     for p, h, gs, lt in zip(prompt, prev_hist, gap_s, later):
         if pd.isna(p):
             continue
-        per_request.append((int(p), min(int(h), int(p)), float(gs)) if lt else (int(p), 0, math.nan))
+        per_request.append(TracedRequest(int(p), min(int(h), int(p)), float(gs)) if lt
+                           else TracedRequest(int(p), 0, math.nan))
     for p in req.loc[req["conversation"].isna().to_numpy(dtype=bool), "prompt"].dropna():
-        per_request.append((int(p), 0, math.nan))
+        per_request.append(TracedRequest(int(p), 0, math.nan))
     n_single = int(req["conversation"].isna().sum())
     turns.extend([1] * n_single)
 

@@ -31,6 +31,7 @@ from kvtune import __version__
 from kvtune import spans as sc
 from kvtune.errors import ConfigError
 from kvtune.export.model import PLACEHOLDER, ModelName
+from kvtune.recommend.evidence import ModeEvidence, ThresholdEvidence, TtlEvidence
 from kvtune.recommend.results import NEVER, Tuning
 from kvtune.recommend.ttl import router_margin_s
 
@@ -161,30 +162,37 @@ def _report(tuning: Tuning, model: ModelName, files: dict[str, str]) -> str:
                   f"{fit.bandwidth_ci_gbps[1]:.3g}]{desc}.", ""]
     why = []
     te = t.evidence
-    if te.get("break_even_tokens") is not None and te.get("pull_ms_at_break_even") is not None:
-        why.append(f"- threshold: pulling {te['break_even_tokens']:.0f} tokens back costs "
-                   f"{te['pull_ms_at_break_even']:.3g} ms, as much as recomputing them; longer "
+    if (isinstance(te, ThresholdEvidence) and te.break_even_tokens is not None
+            and te.pull_ms_at_break_even is not None):
+        why.append(f"- threshold: pulling {te.break_even_tokens:.0f} tokens back costs "
+                   f"{te.pull_ms_at_break_even:.3g} ms, as much as recomputing them; longer "
                    f"histories are pulled, shorter ones recomputed.")
     elif t.value == NEVER:
         why.append("- threshold: pulling history back never costs less than recomputing it on "
                    "this traffic.")
     ev = ttl.evidence
-    if ev.get("captured_share") is not None and ev.get("retained_gb_at_ttl") is not None:
-        why.append(f"- TTL: captures {ev['captured_share']:.0%} of reusable next-turn history "
-                   f"(gap p50 {ev.get('gap_s_p50', float('nan')):.3g} s, p90 "
-                   f"{ev.get('gap_s_p90', float('nan')):.3g} s) holding about "
-                   f"{ev['retained_gb_at_ttl']:.3g} GB of decode HBM (budget "
-                   f"{ev.get('hbm_budget_gb')} GB); the router's TTL is "
-                   f"{ev.get('router_params_ttl_s')} s.")
+    if isinstance(ev, TtlEvidence) and ev.retained_gb_at_ttl is not None:
+        gap50 = ev.gap_s_p50 if ev.gap_s_p50 is not None else float("nan")
+        gap90 = ev.gap_s_p90 if ev.gap_s_p90 is not None else float("nan")
+        why.append(f"- TTL: captures {ev.captured_share:.0%} of reusable next-turn history "
+                   f"(gap p50 {gap50:.3g} s, p90 {gap90:.3g} s) holding about "
+                   f"{ev.retained_gb_at_ttl:.3g} GB of decode HBM (budget "
+                   f"{ev.hbm_budget_gb} GB); the router's TTL is "
+                   f"{ev.router_params_ttl_s} s.")
     if why:
         lines += ["Why:", "", *why, ""]
     if m.value != sc.Mode.BIDIRECTIONAL.value:
         lines += [f"In {m.value} mode bidirectional KV transfer is off: the threshold and TTL only "
                   f"act with it, and are written for reference.", ""]
-    ttft = m.evidence.get("expected_ttft_ms", {})
-    if ttft:
-        lines += [f"Expected TTFT ({m.evidence.get('model')} model):", ""]
-        lines += [f"- {mode}: p50 {v['p50']:.1f} ms, p99 {v['p99']:.1f} ms" for mode, v in ttft.items()]
+    me = m.evidence
+    if isinstance(me, ModeEvidence) and me.expected_ttft_ms:
+        lines += [f"Expected TTFT ({me.model} model):", ""]
+        lines += [f"- {mode}: p50 {v.p50:.1f} ms, p99 {v.p99:.1f} ms"
+                  for mode, v in me.expected_ttft_ms.items()]
+        lines.append("")
+    if isinstance(me, ModeEvidence) and me.sim_inputs:
+        lines += ["Simulator inputs (value: source):", ""]
+        lines += [f"- `{i.name}` = {i.value}: {i.source}" for i in me.sim_inputs]
         lines.append("")
     if t.value == NEVER:
         lines += [f"Reuse never pays: `kv_recompute_threshold` is written as {NEVER_THRESHOLD_TOKENS} "

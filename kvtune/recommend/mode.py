@@ -1,7 +1,9 @@
 """Transfer mode: push vs pull vs pull + bidirectional reuse, by expected TTFT on the user's traffic.
 
-Expected TTFT p50/p99 per mode come from the simulator (``kvtune.sim.expected_ttft``) when it is
-importable, else from the analytic model here, per traced request (prompt P, history H, gap g):
+Expected TTFT p50/p99 per mode come from the simulator (``kvtune.sim``: the traced workload played
+in each mode on the public preset calibrated with the fits; every number it plays is listed with
+its source in the evidence), and, beside it, from the analytic model here, per traced request
+(prompt P, history H, gap g):
 
 - pull: queue + prefill(P) + ``PULL_HOP_MS`` (router -> decode, the decode schedules the read)
   + transfer(P) + ``DECODE_START_MS``;
@@ -12,23 +14,26 @@ importable, else from the analytic model here, per traced request (prompt P, his
 
 Queueing at the prefill is M/D/1 with the mode's mean prefill time at the traced request rate
 spread over ``prefill_instances``. The mode with the lowest p50 wins if it beats pull by more than
-``MIN_GAIN_SHARE``; otherwise pull (late, load-aware routing) stays.
+``MIN_GAIN_SHARE``; otherwise pull (late, load-aware routing) stays. When the two models pick
+different winners, a ``mode_models_disagree`` finding says so and why, and the range holds both.
 """
 from __future__ import annotations
 
-import inspect
 import logging
 import math
-from typing import Any
 
 import numpy as np
 
 from kvtune import spans as sc
 from kvtune.analysis.fit import FloorFit
 from kvtune.analysis.prefill import PrefillCost
-from kvtune.analysis.workload import Workload
+from kvtune.analysis.workload import TracedRequest, Workload
+from kvtune.errors import SimError
+from kvtune.recommend.evidence import ModeEvidence, TtftMs
 from kvtune.recommend.results import NEVER, Finding, Recommendation
 from kvtune.recommend.ttl import router_margin_s
+from kvtune.sim.calibrate import SimInput
+from kvtune.sim.estimate import calibrate, ttft_per_mode
 
 logger = logging.getLogger(__name__)
 
@@ -47,12 +52,12 @@ MAX_UTILISATION = 0.95
 def _analytic(workload: Workload, fit: FloorFit, prefill: PrefillCost, *, bytes_per_token: float,
               descriptors_per_token: float, threshold_tokens: float, ttl_s: float,
               prefill_instances: int) -> tuple[dict[str, tuple[float, float]], dict[str, float]]:
-    reqs = workload.requests or tuple((p, 0, math.nan) for p in workload.prompt_tokens)
+    reqs = workload.requests or tuple(TracedRequest(p, 0, math.nan) for p in workload.prompt_tokens)
     if not reqs:
         return {}, {}
-    p = np.array([r[0] for r in reqs], dtype=float)
-    h = np.array([r[1] for r in reqs], dtype=float)
-    g = np.array([r[2] for r in reqs], dtype=float)
+    p = np.array([r.prompt_tokens for r in reqs], dtype=float)
+    h = np.array([r.history_tokens for r in reqs], dtype=float)
+    g = np.array([r.gap_s for r in reqs], dtype=float)
 
     def xfer(tokens: np.ndarray) -> np.ndarray:
         return np.array([fit.predict_ms(t * bytes_per_token, t * descriptors_per_token)
@@ -83,48 +88,98 @@ def _analytic(workload: Workload, fit: FloorFit, prefill: PrefillCost, *, bytes_
              for m, v in per_mode.items()}, util)
 
 
-def _simulated(workload: Workload, fit: FloorFit, prefill: PrefillCost,
-               **kwargs: Any) -> dict[str, tuple[float, float]] | None:
-    """``kvtune.sim.expected_ttft`` when it exists (built in parallel); None otherwise."""
-    try:
-        from kvtune.sim.estimate import expected_ttft
-    except ImportError:  # simulator absent: use the analytic model
-        return None
-    params = inspect.signature(expected_ttft).parameters
-    extra = {k: v for k, v in kwargs.items() if k in params and v is not None}
-    res = expected_ttft(workload, fit, prefill, **extra)
-    out: dict[str, tuple[float, float]] = {}
-    for m, v in res.items():
-        p50, p99 = ((v.p50_ms, v.p99_ms) if hasattr(v, "p50_ms") else (v[0], v[1]))
-        out[str(getattr(m, "value", m))] = (float(p50), float(p99))
-    return out
+SimTtft = dict[str, tuple[float, float]]
+
+
+def _simulated(workload: Workload, fit: FloorFit, prefill: PrefillCost, *, bytes_per_token: float,
+               descriptors_per_token: float, ttl_s: float | None, threshold_tokens: int | None,
+               prefill_instances: int, fit_source: str) -> tuple[SimTtft, tuple[SimInput, ...]]:
+    """(p50, p99) per mode from the simulator, and the numbers it played with their sources."""
+    cal = calibrate(workload, fit, prefill, ttl_s=ttl_s, threshold_tokens=threshold_tokens,
+                    bytes_per_token=bytes_per_token,
+                    descriptors_per_token=descriptors_per_token or None,  # 0: not measured
+                    fit_source=fit_source, prefill_instances=prefill_instances)
+    res = ttft_per_mode(cal.config)
+    return {m.value: (float(v.p50_ms), float(v.p99_ms)) for m, v in res.items()}, cal.inputs
+
+
+def _pick(ttft: dict[str, tuple[float, float]], allowed: list[str]) -> str:
+    """The allowed mode with the lowest p50, unless it beats pull by no more than
+    ``MIN_GAIN_SHARE`` (then pull)."""
+    pull_p50 = ttft[sc.Mode.PULL.value][0]
+    best = min(allowed, key=lambda m: (ttft[m][0], ttft[m][1]))
+    if best != sc.Mode.PULL.value and ttft[best][0] > pull_p50 * (1.0 - MIN_GAIN_SHARE):
+        best = sc.Mode.PULL.value
+    return best
+
+
+PRESET_MECHANISMS: dict[str, str] = {
+    "decode.loop_per_descriptor_us": "the pull decode's engine loop building READ descriptors "
+                                     "inline while running decodes wait",
+    "prefill.parallel_requests": "prompts batched on the prefill",
+    "decode.step_base_ms": "decode step time (first token after KV arrives)",
+    "overheads.hop_ms": "HTTP hops between router and instances",
+    "overheads.registration_base_ms": "push's destination-block registration",
+}
+"""Simulator inputs the analytic model has no term for, and what they stand for."""
+
+
+def _disagreement(sim_best: str, analytic_best: str, sim: SimTtft, analytic: SimTtft,
+                  inputs: tuple[SimInput, ...]) -> Finding:
+    from_preset = [i for i in inputs if i.name in PRESET_MECHANISMS
+                   and not i.source.startswith("measured")]
+    named = "; ".join(f"{i.name} = {i.value} ({i.source}): {PRESET_MECHANISMS[i.name]}"
+                      for i in from_preset)
+    return Finding(
+        "mode_models_disagree", "warning",
+        f"the simulator and the analytic model pick different modes: the simulator {sim_best} "
+        f"(p50 {sim[sim_best][0]:.1f} ms against {sim[analytic_best][0]:.1f} ms for "
+        f"{analytic_best}), the analytic model {analytic_best} (p50 "
+        f"{analytic[analytic_best][0]:.1f} ms against {analytic[sim_best][0]:.1f} ms for "
+        f"{sim_best}). The advice follows the simulator, which models queueing in the engines; "
+        f"the analytic model has no term for "
+        + (named if named else "the decode loop, prefill batching and decode steps")
+        + ". Values not measured from this trace come from the preset: the mode's range holds "
+        f"both modes; verify with kvtune verify before relying on it",
+        {"simulated_best": sim_best, "analytic_best": analytic_best,
+         "simulated_p50_ms": {m: v[0] for m, v in sim.items()},
+         "analytic_p50_ms": {m: v[0] for m, v in analytic.items()},
+         "preset_inputs": [i.as_dict() for i in from_preset]})
 
 
 def recommend_mode(workload: Workload, fit: FloorFit, prefill: PrefillCost, *,
                    bytes_per_token: float, descriptors_per_token: float,
                    threshold: int | str, ttl_s: float, early_decode_ok: bool = True,
                    prefill_instances: int = 1, use_simulator: bool = True,
-                   ) -> tuple[Recommendation, list[Finding]]:
+                   fit_source: str = "floor fit") -> tuple[Recommendation, list[Finding]]:
     """Compare the modes' expected TTFT and pick one (see module doc). ``use_simulator=False``
-    keeps to the analytic model."""
+    keeps to the analytic model; ``fit_source`` names where the floor fit came from (for the list
+    of simulator inputs)."""
     thr = math.inf if threshold == NEVER else float(threshold)
     findings: list[Finding] = []
-    kw = dict(bytes_per_token=bytes_per_token, descriptors_per_token=descriptors_per_token,
-              threshold_tokens=thr, ttl_s=ttl_s, prefill_instances=prefill_instances)
-    ttft, util = _analytic(workload, fit, prefill, **kw)
+    ttft, util = _analytic(workload, fit, prefill, bytes_per_token=bytes_per_token,
+                           descriptors_per_token=descriptors_per_token, threshold_tokens=thr,
+                           ttl_s=ttl_s, prefill_instances=prefill_instances)
     analytic = dict(ttft)
     model = "analytic"
-    try:
-        sim = None if not use_simulator else _simulated(workload, fit, prefill, ttl_s=ttl_s if ttl_s > 0 else None,
-                         threshold_tokens=None if thr == math.inf else int(thr))
-    except Exception as exc:  # a simulator failure must not stop the advice
-        logger.warning("kvtune.sim.expected_ttft failed; using the analytic model", exc_info=True)
-        findings.append(Finding("simulator_failed", "info",
-                                f"the simulator failed ({type(exc).__name__}: {exc}); expected "
-                                f"TTFT per mode comes from the analytic model", {}))
-        sim = None
+    sim: SimTtft | None = None
+    inputs: tuple[SimInput, ...] | None = None
+    if use_simulator and ttft:
+        try:
+            sim, inputs = _simulated(
+                workload, fit, prefill, bytes_per_token=bytes_per_token,
+                descriptors_per_token=descriptors_per_token, ttl_s=ttl_s if ttl_s > 0 else None,
+                threshold_tokens=None if thr == math.inf else int(thr),
+                prefill_instances=prefill_instances, fit_source=fit_source)
+        except SimError as exc:  # the traced workload cannot be simulated: keep to the analytic
+            logger.warning("kvtune.sim failed; using the analytic model", exc_info=True)
+            findings.append(Finding("simulator_failed", "info",
+                                    f"the simulator failed ({exc}); expected TTFT per mode comes "
+                                    f"from the analytic model", {}))
     if sim and all(math.isfinite(v[0]) for v in sim.values()):
         ttft, model = {**ttft, **sim}, "kvtune.sim"
+    else:
+        sim = None
     allowed = [sc.Mode.PULL.value]
     excluded: dict[str, str] = {}
     if early_decode_ok:
@@ -141,22 +196,28 @@ def recommend_mode(workload: Workload, fit: FloorFit, prefill: PrefillCost, *,
         raise_msg = "no request with a known prompt length: cannot compare modes"
         findings.append(Finding("mode_no_requests", "warning", raise_msg, {}))
         return Recommendation(NAME, sc.Mode.PULL.value, (sc.Mode.PULL.value, sc.Mode.PULL.value),
-                              "mode", {"model": model, "excluded": excluded},
+                              "mode", ModeEvidence(model=model, excluded=excluded),
                               ("pull by default when nothing can be compared",)), findings
-    pull_p50 = ttft[sc.Mode.PULL.value][0]
-    best = min(allowed, key=lambda m: (ttft[m][0], ttft[m][1]))
-    if best != sc.Mode.PULL.value and ttft[best][0] > pull_p50 * (1.0 - MIN_GAIN_SHARE):
-        best = sc.Mode.PULL.value
+    best = _pick(ttft, allowed)
+    analytic_best = _pick(analytic, allowed)
     ranked = sorted(allowed, key=lambda m: ttft[m][0])
     runner_up = next((m for m in ranked if m != best), best)
-    evidence = {
-        "model": model,
-        "expected_ttft_ms": {m: {"p50": v[0], "p99": v[1]} for m, v in ttft.items()},
-        "analytic_ttft_ms": {m: {"p50": v[0], "p99": v[1]} for m, v in analytic.items()},
-        "allowed": allowed, "excluded": excluded, "multi_turn_share": workload.multi_turn_share,
-        "prompt_tokens_p50": workload.prompt_tokens_p50, "qps": workload.qps,
-        "early_decode_ok": early_decode_ok, **util,
-    }
+    agree = None if sim is None else analytic_best == best
+    if agree is False:
+        runner_up = analytic_best  # the range holds both models' winners
+        findings.append(_disagreement(best, analytic_best, sim or {}, analytic, inputs or ()))
+    evidence = ModeEvidence(
+        model=model,
+        expected_ttft_ms={m: TtftMs(*v) for m, v in ttft.items()},
+        analytic_ttft_ms={m: TtftMs(*v) for m, v in analytic.items()},
+        allowed=tuple(allowed), excluded=excluded, multi_turn_share=workload.multi_turn_share,
+        prompt_tokens_p50=workload.prompt_tokens_p50, qps=workload.qps,
+        early_decode_ok=early_decode_ok,
+        prefill_utilisation_pull=util.get("prefill_utilisation_pull"),
+        reused_share_bidirectional=util.get("reused_share_bidirectional"),
+        analytic_best=analytic_best, simulated_best=best if sim is not None else None,
+        models_agree=agree, sim_inputs=inputs if sim is not None else None,
+    )
     if model == "analytic":
         assumptions: tuple[str, ...] = (
             "expected TTFT from the analytic model on the traced requests",
@@ -166,10 +227,13 @@ def recommend_mode(workload: Workload, fit: FloorFit, prefill: PrefillCost, *,
             f"rate",
         )
     else:
+        n_preset = sum(1 for i in inputs or () if i.source.startswith("preset"))
         assumptions = (
-            "expected TTFT from kvtune.sim.expected_ttft: the traced workload summary replayed "
-            "through each mode on the simulator calibrated with the floor and prefill fits "
-            "(what the fits leave open comes from the simulator's preset)",
+            "expected TTFT from kvtune.sim: the traced workload summary replayed through each mode "
+            "on the simulator calibrated with the floor and prefill fits; "
+            f"{n_preset} of its inputs come from the preset (listed in evidence.sim_inputs)",
         )
+        if agree is False:
+            assumptions += (f"the analytic model picks {analytic_best}: the range holds both",)
     assumptions += (f"another mode must beat pull's p50 by more than {MIN_GAIN_SHARE:.0%}",)
     return Recommendation(NAME, best, (best, runner_up), "mode", evidence, assumptions), findings

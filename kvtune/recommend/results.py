@@ -1,45 +1,31 @@
 """Frozen results of the recommendations: each value with its range, evidence and assumptions."""
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from kvtune.analysis.fit import FloorFit
+from kvtune.recommend.evidence import Evidence, plain
 
 NEVER: str = "never"
 """Threshold value when pulling remote KV never beats recomputing it on this traffic."""
 
 
-def _plain(value: Any) -> Any:
-    """JSON-safe copy: tuples -> lists, NaN/inf -> None, dataclasses with as_dict -> dicts."""
-    if hasattr(value, "as_dict"):
-        return _plain(value.as_dict())
-    if isinstance(value, dict):
-        return {str(k): _plain(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if hasattr(value, "item") and not isinstance(value, (str, bytes)):  # numpy scalar
-        return _plain(value.item())
-    return value
-
-
 @dataclass(frozen=True)
 class Recommendation:
-    """One recommended setting. ``value`` is a number, a mode name, or :data:`NEVER`."""
+    """One recommended setting. ``value`` is a number, a mode name, or :data:`NEVER`; ``evidence``
+    the typed why (``kvtune.recommend.evidence``)."""
 
     name: str
     value: Any
     range: tuple[Any, Any]
     unit: str
-    evidence: dict[str, Any] = field(default_factory=dict)
+    evidence: Evidence
     assumptions: tuple[str, ...] = ()
 
     def as_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "value": _plain(self.value), "range": _plain(self.range),
-                "unit": self.unit, "evidence": _plain(self.evidence),
+        return {"name": self.name, "value": plain(self.value), "range": plain(self.range),
+                "unit": self.unit, "evidence": plain(self.evidence),
                 "assumptions": list(self.assumptions)}
 
 
@@ -54,7 +40,7 @@ class Finding:
 
     def as_dict(self) -> dict[str, Any]:
         return {"code": self.code, "severity": self.severity, "message": self.message,
-                "evidence": _plain(self.evidence)}
+                "evidence": plain(self.evidence)}
 
 
 @dataclass(frozen=True)
@@ -74,5 +60,5 @@ class Tuning:
     def as_dict(self) -> dict[str, Any]:
         return {"threshold": self.threshold.as_dict(), "ttl": self.ttl.as_dict(),
                 "mode": self.mode.as_dict(), "findings": [f.as_dict() for f in self.findings],
-                "fit": _plain(self.fit) if self.fit is not None else None,
-                "source": self.source, "span_count": self.span_count, "extra": _plain(self.extra)}
+                "fit": plain(self.fit) if self.fit is not None else None,
+                "source": self.source, "span_count": self.span_count, "extra": plain(self.extra)}

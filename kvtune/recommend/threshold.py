@@ -3,15 +3,19 @@
 Pulling R tokens costs ``floor + R * c`` (c: ms per token on the wire, from the fit's bandwidth and
 per-descriptor cost); recomputing them costs ``R * a + R^2 / 2 * k`` (the prefill's per-token and
 attention terms, :meth:`PrefillCost.recompute_ms`). The break-even R solves
-``k R^2 + (a - c) R - floor = 0``. Its range comes from the fit's confidence intervals (the
-pessimistic corner: high floor, low bandwidth, high descriptor cost; and the optimistic one).
+``k R^2 + (a - c) R - floor = 0``. Its range comes from the fabric fit's and the prefill fit's
+confidence intervals together: the high end where pulling is dearest and recomputing cheapest
+(high floor, low bandwidth, high descriptor cost; low per-token and attention terms), the low end
+at the opposite corner.
 """
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 from kvtune.analysis.fit import FloorFit
 from kvtune.analysis.prefill import PrefillCost
+from kvtune.recommend.evidence import ThresholdEvidence
 from kvtune.recommend.results import NEVER, Finding, Recommendation
 
 NAME = "kv_recompute_threshold"
@@ -52,31 +56,44 @@ def recommend_threshold(fit: FloorFit, prefill: PrefillCost, *, bytes_per_token:
                              descriptors_per_token)
     c_lo = wire_ms_per_token(fit.bandwidth_ci_gbps[1], desc_ci[0], bytes_per_token,
                              descriptors_per_token)
-    r_hi = break_even_tokens(fit.floor_ci_ms[1], c_hi, prefill)
-    r_lo = break_even_tokens(fit.floor_ci_ms[0], c_lo, prefill)
+    cheap, dear = _prefill_corners(prefill)  # recomputing cheapest / dearest
+    r_hi = break_even_tokens(fit.floor_ci_ms[1], c_hi, cheap)
+    r_lo = break_even_tokens(fit.floor_ci_ms[0], c_lo, dear)
 
     def tok(x: float) -> int | str:
         return NEVER if not math.isfinite(x) or x > max_context_tokens else max(1, math.ceil(x))
 
-    evidence = {
-        "break_even_tokens": r if math.isfinite(r) else None,
-        "floor_ms": fit.floor_ms, "bandwidth_gbps": fit.bandwidth_gbps,
-        "per_descriptor_us": fit.per_descriptor_us, "bytes_per_token": bytes_per_token,
-        "descriptors_per_token": descriptors_per_token, "wire_ms_per_token": c,
-        "prefill_per_token_ms": prefill.per_token_ms,
-        "prefill_per_token_prefix_us": prefill.per_token_prefix_us,
-        "max_context_tokens": max_context_tokens, "fit_r2": fit.r2,
-        "fit_n_transfers": fit.n_transfers, "prefill_n_observations": prefill.n_observations,
-    }
-    if math.isfinite(r):
-        evidence["pull_ms_at_break_even"] = fit.floor_ms + r * c
-        evidence["recompute_ms_at_break_even"] = prefill.recompute_ms(r)
+    def real(x: float) -> float | None:
+        return x if math.isfinite(x) else None
+
+    evidence = ThresholdEvidence(
+        break_even_tokens=real(r),
+        floor_ms=fit.floor_ms, bandwidth_gbps=fit.bandwidth_gbps,
+        per_descriptor_us=fit.per_descriptor_us, bytes_per_token=bytes_per_token,
+        descriptors_per_token=descriptors_per_token, wire_ms_per_token=c,
+        prefill_per_token_ms=prefill.per_token_ms,
+        prefill_per_token_prefix_us=prefill.per_token_prefix_us,
+        max_context_tokens=max_context_tokens, fit_r2=fit.r2,
+        fit_n_transfers=fit.n_transfers, prefill_n_observations=prefill.n_observations,
+        pull_ms_at_break_even=fit.floor_ms + r * c if math.isfinite(r) else None,
+        recompute_ms_at_break_even=prefill.recompute_ms(r) if math.isfinite(r) else None,
+        prefill_per_token_ci_ms=prefill.per_token_ci_ms,
+        prefill_per_token_prefix_ci_us=prefill.per_token_prefix_ci_us,
+        break_even_range_fabric_tokens=(
+            real(break_even_tokens(fit.floor_ci_ms[0], c_lo, prefill)),
+            real(break_even_tokens(fit.floor_ci_ms[1], c_hi, prefill))),
+        break_even_range_prefill_tokens=(real(break_even_tokens(fit.floor_ms, c, dear)),
+                                         real(break_even_tokens(fit.floor_ms, c, cheap))),
+    )
     assumptions = (
         "pull cost = fitted floor + tokens x bytes_per_token / bandwidth (+ descriptors x "
         "per-descriptor cost), one transfer per history",
         "recompute cost = the fitted prefill per-token and attention terms for the history alone "
         "(the new tokens' cost is paid either way)",
-        "range from the fit's 95% intervals only; the prefill fit's uncertainty is not included",
+        "range from the fabric fit's and the prefill fit's 95% intervals together (the corners "
+        "where pulling is dearest and recomputing cheapest, and the opposite)"
+        + ("" if prefill.per_token_ci_ms is not None else
+           "; the prefill fit gave no interval, so only the fabric fit's uncertainty is included"),
         f"'{NEVER}' when break-even exceeds the longest history seen ({max_context_tokens} tokens)",
     )
     value = tok(r)
@@ -93,3 +110,13 @@ def recommend_threshold(fit: FloorFit, prefill: PrefillCost, *, bytes_per_token:
              "max_context_tokens": max_context_tokens}))
     rec = Recommendation(NAME, value, (tok(r_lo), tok(r_hi)), UNIT, evidence, assumptions)
     return rec, findings
+
+
+def _prefill_corners(prefill: PrefillCost) -> tuple[PrefillCost, PrefillCost]:
+    """(cheapest, dearest) recompute cost within the prefill fit's 95% intervals (the fit itself
+    twice when it has none)."""
+    a_ci = prefill.per_token_ci_ms or (prefill.per_token_ms, prefill.per_token_ms)
+    k_ci = prefill.per_token_prefix_ci_us or (prefill.per_token_prefix_us,
+                                              prefill.per_token_prefix_us)
+    return (replace(prefill, per_token_ms=a_ci[0], per_token_prefix_us=k_ci[0]),
+            replace(prefill, per_token_ms=a_ci[1], per_token_prefix_us=k_ci[1]))

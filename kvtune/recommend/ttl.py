@@ -10,10 +10,12 @@ mean fits the HBM budget. The range is a bootstrap over conversations' gaps.
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import numpy as np
 
 from kvtune.analysis.workload import Workload
+from kvtune.recommend.evidence import TtlEvidence
 from kvtune.recommend.results import Finding, Recommendation
 
 NAME = "decoder_kv_blocks_ttl"
@@ -91,9 +93,9 @@ def recommend_ttl(workload: Workload, *, bytes_per_token: float, hbm_budget_gb: 
         f"(retained for min(gap, TTL) after each turn, the full TTL after the last)",
         "future inter-turn gaps look like the traced ones",
     )
-    evidence: dict = {"n_gaps": int(len(gaps)), "hbm_budget_gb": hbm_budget_gb,
-                      "bytes_per_token": bytes_per_token, "threshold_tokens": threshold_tokens,
-                      "duration_s": workload.duration_s, "peak_to_mean": PEAK_TO_MEAN}
+    base = TtlEvidence(n_gaps=int(len(gaps)), hbm_budget_gb=hbm_budget_gb,
+                       bytes_per_token=bytes_per_token, threshold_tokens=threshold_tokens,
+                       duration_s=workload.duration_s, peak_to_mean=PEAK_TO_MEAN)
     findings: list[Finding] = []
     if len(gaps) == 0:
         findings.append(Finding(
@@ -102,9 +104,8 @@ def recommend_ttl(workload: Workload, *, bytes_per_token: float, hbm_budget_gb: 
             f"{workload.n_conversations} conversation(s)): nothing is worth retaining, so the TTL is "
             f"{NO_MULTI_TURN_TTL_S} s and bidirectional KV transfer stays off",
             {"n_requests": workload.n_requests, "n_conversations": workload.n_conversations}))
-        evidence.update(router_decoder_ttl_s=None, router_margin_s=None, captured_share=0.0)
         return Recommendation(NAME, NO_MULTI_TURN_TTL_S, (NO_MULTI_TURN_TTL_S, NO_MULTI_TURN_TTL_S),
-                              UNIT, evidence, assumptions), findings
+                              UNIT, base, assumptions), findings
 
     ttl, want, cap = _ttl_for(gaps, toks, finals, thr, bytes_per_token, workload.duration_s,
                               hbm_budget_gb)
@@ -120,8 +121,8 @@ def recommend_ttl(workload: Workload, *, bytes_per_token: float, hbm_budget_gb: 
     share = captured_share(value, gaps, toks, thr)
     share_want = captured_share(want, gaps, toks, thr)
     margin = router_margin_s(value)
-    evidence.update(
-        gap_s_p50=float(np.median(gaps)), gap_s_p90=float(np.quantile(gaps, 0.9)),
+    evidence = replace(
+        base, gap_s_p50=float(np.median(gaps)), gap_s_p90=float(np.quantile(gaps, 0.9)),
         gap_s_max=float(gaps.max()), uncapped_ttl_s=want,
         memory_cap_ttl_s=cap if math.isfinite(cap) else None,
         retained_gb_at_ttl=PEAK_TO_MEAN * retained_gb(value, gaps, toks, finals, bytes_per_token,

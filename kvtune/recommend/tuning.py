@@ -152,7 +152,7 @@ def recommend(spans: pd.DataFrame, *, geometry: Any = None,
     mode, f = recommend_mode(wl, fit, pc, bytes_per_token=bpt, descriptors_per_token=dpt,
                              threshold=thr.value, ttl_s=float(ttl.value),
                              early_decode_ok=early_decode_ok, prefill_instances=prefill_instances,
-                             use_simulator=use_simulator)
+                             use_simulator=use_simulator, fit_source=f"floor fit ({fit_source})")
     findings += f
     findings += readiness(tr, spans, fit=fit, workload=wl, fabric=fabric)
     # What each Tempo source read (range, traces, spans) and whether its search was cut short.

@@ -1,7 +1,8 @@
 """The simulator's inputs: hardware cost models, topology, reuse settings and the traffic to play.
 
 Everything is a frozen dataclass with the unit in each field name. A :class:`SimConfig` is built by
-hand, from a preset (:mod:`kvtune.sim.presets`) or from a measured fit (:meth:`SimConfig.from_fit`).
+hand, from a preset (:mod:`kvtune.sim.presets`) or from a measured fit
+(:func:`kvtune.sim.calibrate.from_fit`).
 """
 from __future__ import annotations
 
@@ -11,11 +12,26 @@ from typing import Any
 
 import numpy as np
 
-from kvtune import spans
-from kvtune.errors import SimError
+import pandas as pd
 
-MODES: tuple[str, ...] = (spans.Mode.PUSH.value, spans.Mode.PULL.value, spans.Mode.BIDIRECTIONAL.value)
-"""Modes the simulator plays. Bidirectional = pull forward transfers + reverse reuse of history."""
+from kvtune.errors import SimError
+from kvtune.spans import Mode
+
+MODES: tuple[Mode, ...] = (Mode.PUSH, Mode.PULL, Mode.BIDIRECTIONAL)
+"""Modes the simulator plays (``kvtune.spans.Mode``). Bidirectional = pull forward transfers +
+reverse reuse of history."""
+
+
+def sim_mode(value: Mode | str, what: str = "mode") -> Mode:
+    """``value`` as one of :data:`MODES` (a ``Mode`` or its string value); :class:`SimError`
+    naming ``what`` otherwise."""
+    try:
+        mode = Mode(value)
+    except ValueError:
+        mode = None
+    if mode not in MODES:
+        raise SimError(f"{what}: expected one of {[m.value for m in MODES]}, got {value!r}")
+    return mode
 
 DIST_KINDS: tuple[str, ...] = ("fixed", "lognormal", "uniform", "exponential", "empirical")
 
@@ -224,14 +240,15 @@ class WorkloadSpec:
 class SimConfig:
     """One simulated deployment and its traffic."""
 
-    mode: str
+    mode: Mode
+    """Also accepts the mode's string value (``"push"``), stored as the :class:`Mode`."""
     prefill: PrefillModel
     decode: DecodeModel
     transfer: TransferModel
     overheads: Overheads = field(default_factory=Overheads)
     reuse: ReuseSettings = field(default_factory=ReuseSettings)
     workload: WorkloadSpec = field(default_factory=WorkloadSpec)
-    requests: Any = field(default=None, compare=False)
+    requests: pd.DataFrame | None = field(default=None, compare=False)
     """Replay instead of ``workload``: a DataFrame with ``arrival_s, prompt_tokens, output_tokens``
     and optionally ``conversation_id, turn`` (see :func:`kvtune.sim.workload.requests_frame`)."""
     prefill_instances: int = 1
@@ -246,8 +263,7 @@ class SimConfig:
     """Wall-clock time of simulated t=0 in the emitted spans (2026-01-01T00:00Z)."""
 
     def __post_init__(self) -> None:
-        if self.mode not in MODES:
-            raise SimError(f"SimConfig.mode: expected one of {MODES}, got {self.mode!r}")
+        object.__setattr__(self, "mode", sim_mode(self.mode, "SimConfig.mode"))
         for name in ("prefill_instances", "decode_instances"):
             if int(getattr(self, name)) < 1:
                 raise SimError(f"SimConfig.{name}: expected >= 1, got {getattr(self, name)!r}")
@@ -271,48 +287,3 @@ class SimConfig:
                 value = replace(cur, **value)
             out[key] = value
         return replace(self, **out)
-
-    @classmethod
-    def from_fit(cls, floor_fit: Any, prefill_cost: Any, *, base: SimConfig | None = None,
-                 mode: str | None = None, **changes: Any) -> SimConfig:
-        """Calibrate a config from a measured fabric fit and prefill cost.
-
-        ``floor_fit``: any object with ``floor_ms, bandwidth_gbps`` and optionally
-        ``per_descriptor_us`` (``kvtune.analysis.FloorFit``); ``prefill_cost``: any object with
-        ``per_token_ms`` and optionally ``per_token_prefix_us, base_ms``
-        (``kvtune.analysis.PrefillCost``). Either may be ``None`` to keep ``base``'s model.
-        Everything else (decode, overheads, model geometry) comes from ``base``
-        (default: the public H200 preset) and ``changes``.
-        """
-        if base is None:
-            from kvtune.sim.presets import public_h200_qwen3_32b
-            base = public_h200_qwen3_32b()
-        cfg = base
-        if floor_fit is not None:
-            fl = _field(floor_fit, "floor_ms", "floor_fit")
-            bw = _field(floor_fit, "bandwidth_gbps", "floor_fit")
-            pd = getattr(floor_fit, "per_descriptor_us", None)
-            tm = replace(cfg.transfer, floor_ms=fl, bandwidth_gbps=bw,
-                         per_descriptor_us=float(pd) if pd is not None else 0.0)
-            cfg = replace(cfg, transfer=tm, reverse_transfer=None)
-        if prefill_cost is not None:
-            pm = PrefillModel(
-                base_ms=float(getattr(prefill_cost, "base_ms", 0.0) or 0.0),
-                per_token_ms=_field(prefill_cost, "per_token_ms", "prefill_cost"),
-                per_token_prefix_us=float(getattr(prefill_cost, "per_token_prefix_us", 0.0) or 0.0),
-                parallel_requests=cfg.prefill.parallel_requests)
-            cfg = replace(cfg, prefill=pm)
-        if mode is not None:
-            changes["mode"] = mode
-        return cfg.with_(**changes) if changes else cfg
-
-
-def _field(obj: Any, name: str, what: str) -> float:
-    value = getattr(obj, name, None)
-    try:
-        value = float(value)
-    except (TypeError, ValueError):
-        raise SimError(f"{what}.{name}: expected a number, got {value!r}") from None
-    if not math.isfinite(value) or value < 0:
-        raise SimError(f"{what}.{name}: expected a finite non-negative number, got {value!r}")
-    return value

@@ -33,79 +33,27 @@ from collections import OrderedDict, deque
 from collections.abc import Callable
 from typing import Any
 
-import numpy as np
 
 from kvtune import spans
 from kvtune.sim.config import SimConfig
+from kvtune.sim.timeline import RequestTimeline, Retention, Timeline
+from kvtune.sim.workload import Arrival, Traffic
 
-PUSH, PULL, BIDI = spans.Mode.PUSH.value, spans.Mode.PULL.value, spans.Mode.BIDIRECTIONAL.value
+PUSH, PULL, BIDI = spans.Mode.PUSH, spans.Mode.PULL, spans.Mode.BIDIRECTIONAL
 _NAN = math.nan
 _PROGRESS_EVERY_EVENTS = 20000  # progress bar refresh period, in events
 MAX_RUN_STEPS = 128
 """Most decode steps simulated as one event (a wake-up cuts the run at the next boundary)."""
 
 
-class Req:
-    """One request's state and timeline (ms). NaN = did not happen."""
+class _Route:
+    """Where a conversation's last turn went and what became of its retained history."""
 
-    __slots__ = (
-        "idx", "conv", "turn", "prompt", "output", "history", "arrival", "pinst", "dinst",
-        "at_prefill", "decision", "outcome", "remote_tokens", "cached", "computed",
-        "rev_setup_start", "rev_setup_end", "rev_rdma_end", "rev_notify", "rev_tokens",
-        "queue_enter", "prefill_start", "prefill_end",
-        "reg_start", "reg_end", "reg_arrive", "at_decode",
-        "setup_start", "setup_end", "rdma_post", "rdma_end", "notify", "fwd_tokens", "rev_rdma_post",
-        "kv_ready", "decode_start", "first_token", "last_token", "done", "retention",
-        "decode_assigned",
-    )
+    __slots__ = ("dinst", "last_outcome")
 
-    def __init__(self, idx: int, conv: int, turn: int, prompt: int, output: int, history: int,
-                 arrival: float) -> None:
-        self.idx, self.conv, self.turn = idx, conv, turn
-        self.prompt, self.output, self.history, self.arrival = prompt, output, history, arrival
-        self.pinst = self.dinst = -1
-        self.at_prefill = self.decision = _NAN
-        self.outcome = ""
-        self.remote_tokens = 0
-        self.cached = 0
-        self.computed = prompt
-        self.rev_setup_start = self.rev_setup_end = self.rev_rdma_end = self.rev_notify = _NAN
-        self.rev_tokens = 0
-        self.queue_enter = self.prefill_start = self.prefill_end = _NAN
-        self.reg_start = self.reg_end = self.reg_arrive = self.at_decode = _NAN
-        self.setup_start = self.setup_end = self.rdma_post = self.rdma_end = self.notify = _NAN
-        self.rev_rdma_post = _NAN
-        self.fwd_tokens = prompt
-        self.kv_ready = self.decode_start = self.first_token = self.last_token = self.done = _NAN
-        self.retention: Retention | None = None
-        self.decode_assigned = False
-
-
-class Retention:
-    """KV a decode keeps for a conversation after its request finished (bidirectional)."""
-
-    __slots__ = ("conv", "tokens", "start", "end", "outcome", "dinst", "req_idx", "ttl_s")
-
-    def __init__(self, conv: int, tokens: int, start: float, dinst: int, req_idx: int,
-                 ttl_s: float) -> None:
-        self.conv, self.tokens, self.start, self.dinst = conv, tokens, start, dinst
-        self.req_idx, self.ttl_s = req_idx, ttl_s
-        self.end = _NAN
-        self.outcome = ""
-
-
-class _Conversation:
-    __slots__ = ("cid", "turns", "outputs", "new_tokens", "gaps", "next_turn", "prompt",
-                 "last_outcome", "dinst", "pinst")
-
-    def __init__(self, cid: int, turns: int, first_prompt: int, outputs: np.ndarray,
-                 new_tokens: np.ndarray, gaps: np.ndarray) -> None:
-        self.cid, self.turns, self.prompt = cid, turns, first_prompt
-        self.outputs, self.new_tokens, self.gaps = outputs, new_tokens, gaps
-        self.next_turn = 1
-        self.last_outcome = ""
+    def __init__(self) -> None:
         self.dinst = -1
-        self.pinst = -1
+        self.last_outcome = ""
 
 
 class _Prefill:
@@ -114,14 +62,14 @@ class _Prefill:
 
     def __init__(self, idx: int) -> None:
         self.idx = idx
-        self.queue: deque[Req] = deque()
+        self.queue: deque[RequestTimeline] = deque()
         self.active = 0  # requests being computed (or reverse descriptors being built)
         self.work_ms = 0.0  # queued + running compute, for routing
         self.link_free = 0.0
         self.sender_free = 0.0
         self.cache: OrderedDict[int, int] = OrderedDict()
         self.cache_used = 0
-        self.rev_jobs: deque[Req] = deque()  # reverse pulls whose descriptors are not built yet
+        self.rev_jobs: deque[RequestTimeline] = deque()  # reverse pulls whose descriptors are not built yet
 
 
 class _Decode:
@@ -131,21 +79,21 @@ class _Decode:
 
     def __init__(self, idx: int) -> None:
         self.idx = idx
-        self.running: list[tuple[int, int, Req]] = []  # heap of (finish step, idx, req)
+        self.running: list[tuple[int, int, RequestTimeline]] = []  # heap of (finish step, idx, req)
         self.step_no = 0
         self.ctx = 0.0
-        self.inbox: list[Req] = []   # pull: arrived, descriptors not built yet
-        self.ready: list[Req] = []   # KV in place, waiting to be scheduled
+        self.inbox: list[RequestTimeline] = []   # pull: arrived, descriptors not built yet
+        self.ready: list[RequestTimeline] = []   # KV in place, waiting to be scheduled
         self.busy = False
         self.link_free = 0.0
-        self.first_pending: list[Req] = []
+        self.first_pending: list[RequestTimeline] = []
         self.assigned = 0
         self.mem_running = 0
         self.retained: OrderedDict[int, Retention] = OrderedDict()
         self.mem_retained = 0
         self.steps = 0
         self.stall_ms = 0.0
-        self.reg_wait: deque[Req] = deque()  # push: registrations waiting for KV memory
+        self.reg_wait: deque[RequestTimeline] = deque()  # push: registrations waiting for KV memory
         self.run_t0 = self.run_c0 = self.run_slope = 0.0  # the current run of decode steps
         self.run_k = 0
         self.run_token = 0
@@ -165,14 +113,14 @@ class Simulation:
         self.ov, self.ru = config.overheads, config.reuse
         self.prefills = [_Prefill(i) for i in range(config.prefill_instances)]
         self.decodes = [_Decode(i) for i in range(config.decode_instances)]
-        self.requests: list[Req] = []
+        self.requests: list[RequestTimeline] = []
         self.retentions: list[Retention] = []
-        self.convs: dict[int, _Conversation] = {}
+        self.convs: dict[int, _Route] = {}
+        self.traffic = Traffic(config.workload, seed=config.seed, requests=config.requests)
         self._heap: list[tuple[float, int, Callable[[Any], None], Any]] = []
         self._seq = 0
         self.now = 0.0
         self.events = 0
-        self.user_rng: np.random.Generator | None = None  # closed-loop workloads
 
     # --- event plumbing -----------------------------------------------------------------------
     def at(self, t: float, fn: Callable[[Any], None], arg: Any = None) -> None:
@@ -180,13 +128,14 @@ class Simulation:
         heapq.heappush(self._heap, (t, self._seq, fn, arg))
 
     def run(self) -> Simulation:
-        from kvtune.sim.workload import schedule_arrivals
-        horizon_ms = schedule_arrivals(self)
+        for arrival in self.traffic.start():
+            self.new_request(arrival)
+        horizon_ms = self.traffic.horizon_ms
         heap, pop = self._heap, heapq.heappop
         bar = None
         if self.progress:
             from tqdm import tqdm
-            bar = tqdm(total=round(horizon_ms / 1e3), unit="sim-s", desc=f"sim {self.mode}",
+            bar = tqdm(total=round(horizon_ms / 1e3), unit="sim-s", desc=f"sim {self.mode.value}",
                        leave=False, mininterval=0.5)
         shown = 0
         n = 0
@@ -211,15 +160,20 @@ class Simulation:
         return self
 
     # --- arrivals -----------------------------------------------------------------------------
-    def new_request(self, conv: int, turn: int, prompt: int, output: int, history: int,
-                    arrival_ms: float) -> Req:
-        req = Req(len(self.requests), conv, turn, int(prompt), max(1, int(output)), int(history),
-                  arrival_ms)
+    @property
+    def timeline(self) -> Timeline:
+        return Timeline(tuple(self.requests), tuple(self.retentions))
+
+    def new_request(self, a: Arrival) -> RequestTimeline:
+        req = RequestTimeline(len(self.requests), a.conversation, a.turn, int(a.prompt_tokens),
+                              max(1, int(a.output_tokens)), int(a.history_tokens), a.arrival_ms)
         self.requests.append(req)
-        self.at(arrival_ms, self.on_arrival, req)
+        if a.conversation not in self.convs:
+            self.convs[a.conversation] = _Route()
+        self.at(a.arrival_ms, self.on_arrival, req)
         return req
 
-    def on_arrival(self, req: Req) -> None:
+    def on_arrival(self, req: RequestTimeline) -> None:
         t = self.now + self.ov.router_ms
         p = self.pick_prefill(req)
         req.pinst = p.idx
@@ -231,7 +185,7 @@ class Simulation:
         p.work_ms += req.prompt  # queued prompt tokens, for routing
         self.at(t + self.ov.hop_ms, self.on_prefill_arrival, req)
 
-    def pick_prefill(self, req: Req) -> _Prefill:
+    def pick_prefill(self, req: RequestTimeline) -> _Prefill:
         ps = self.prefills
         if len(ps) == 1:
             return ps[0]
@@ -241,7 +195,7 @@ class Simulation:
                     return p
         return min(ps, key=lambda p: (p.work_ms, p.idx))
 
-    def pick_decode(self, req: Req) -> _Decode:
+    def pick_decode(self, req: RequestTimeline) -> _Decode:
         ds = self.decodes
         if self.bidi and req.history:
             conv = self.convs.get(req.conv)
@@ -253,13 +207,13 @@ class Simulation:
             return ds[0]
         return min(ds, key=lambda d: (d.assigned, d.idx))
 
-    def assign_decode(self, req: Req, d: _Decode) -> None:
+    def assign_decode(self, req: RequestTimeline, d: _Decode) -> None:
         req.dinst = d.idx
         req.decode_assigned = True
         d.assigned += 1
 
     # --- prefill ------------------------------------------------------------------------------
-    def on_prefill_arrival(self, req: Req) -> None:
+    def on_prefill_arrival(self, req: RequestTimeline) -> None:
         t = self.now
         req.at_prefill = t
         p = self.prefills[req.pinst]
@@ -279,7 +233,7 @@ class Simulation:
         req.computed = req.prompt - req.cached
         self.enqueue_prefill(req, p, t)
 
-    def reuse_decision(self, req: Req, p: _Prefill, local: int, t: float) -> None:
+    def reuse_decision(self, req: RequestTimeline, p: _Prefill, local: int, t: float) -> None:
         RO = spans.ReuseOutcome
         conv = self.convs.get(req.conv)
         d = self.decodes[conv.dinst] if conv is not None and conv.dinst >= 0 else None
@@ -317,7 +271,7 @@ class Simulation:
         else:
             req.outcome, req.cached = RO.RECOMPUTE.value, local
 
-    def on_reverse_posted(self, req: Req) -> None:
+    def on_reverse_posted(self, req: RequestTimeline) -> None:
         p = self.prefills[req.pinst]
         rm = self.rtm
         req.rev_rdma_post = self.now
@@ -329,11 +283,11 @@ class Simulation:
         p.active -= 1
         self.prefill_next(p, self.now)
 
-    def on_reverse_done(self, req: Req) -> None:
+    def on_reverse_done(self, req: RequestTimeline) -> None:
         req.computed = req.prompt - req.cached
         self.enqueue_prefill(req, self.prefills[req.pinst], self.now)
 
-    def enqueue_prefill(self, req: Req, p: _Prefill, t: float) -> None:
+    def enqueue_prefill(self, req: RequestTimeline, p: _Prefill, t: float) -> None:
         req.queue_enter = t
         p.queue.append(req)
         self.prefill_next(p, t)
@@ -357,7 +311,7 @@ class Simulation:
         req.prefill_end = t + self.pm.compute_ms(req.computed, req.cached)
         self.at(req.prefill_end, self.on_prefill_done, req)
 
-    def on_prefill_done(self, req: Req) -> None:
+    def on_prefill_done(self, req: RequestTimeline) -> None:
         t = self.now
         p = self.prefills[req.pinst]
         p.work_ms -= req.prompt
@@ -371,7 +325,7 @@ class Simulation:
         else:  # pull: back to the router, which picks the decode now
             self.at(t + 2 * self.ov.hop_ms, self.on_pull_decode_arrival, req)
 
-    def cache_prompt(self, p: _Prefill, req: Req) -> None:
+    def cache_prompt(self, p: _Prefill, req: RequestTimeline) -> None:
         cap = self.ru.prefill_cache_tokens or self.dm.kv_capacity_tokens
         old = p.cache.pop(req.conv, 0)
         p.cache_used -= old
@@ -383,20 +337,20 @@ class Simulation:
         p.cache_used += tokens
 
     # --- push ---------------------------------------------------------------------------------
-    def on_push_decode_arrival(self, req: Req) -> None:
+    def on_push_decode_arrival(self, req: RequestTimeline) -> None:
         d = self.decodes[req.dinst]
         if self.reserve(d, req):
             self.register(req, self.now)
         else:
             d.reg_wait.append(req)
 
-    def register(self, req: Req, t: float) -> None:
+    def register(self, req: RequestTimeline, t: float) -> None:
         reg = self.ov.registration_base_ms + self.tm.blocks(req.prompt) * self.ov.registration_per_block_us / 1e3
         req.reg_start, req.reg_end = t, t + reg
         req.reg_arrive = req.reg_end + self.ov.hop_ms
         self.at(req.reg_arrive, self.on_registration, req)
 
-    def on_registration(self, req: Req) -> None:
+    def on_registration(self, req: RequestTimeline) -> None:
         # the prefill's sender thread builds the descriptors now, overlapping the prefill compute
         p = self.prefills[req.pinst]
         req.setup_start = max(self.now, p.sender_free)
@@ -405,7 +359,7 @@ class Simulation:
         if req.prefill_end <= self.now:  # prefill finished first
             self.push_send(req, self.now)
 
-    def push_send(self, req: Req, t: float) -> None:
+    def push_send(self, req: RequestTimeline, t: float) -> None:
         p = self.prefills[req.pinst]
         tm = self.tm
         req.rdma_post = max(req.setup_end, t)
@@ -415,14 +369,14 @@ class Simulation:
         req.notify = req.rdma_end + tm.notify_ms
         self.at(req.notify, self.on_push_notified, req)
 
-    def on_push_notified(self, req: Req) -> None:
+    def on_push_notified(self, req: RequestTimeline) -> None:
         req.kv_ready = self.now
         d = self.decodes[req.dinst]
         d.ready.append(req)
         self.wake(d)
 
     # --- pull ---------------------------------------------------------------------------------
-    def on_pull_decode_arrival(self, req: Req) -> None:
+    def on_pull_decode_arrival(self, req: RequestTimeline) -> None:
         if not req.decode_assigned:
             self.assign_decode(req, self.pick_decode(req))
         req.at_decode = self.now
@@ -430,7 +384,7 @@ class Simulation:
         d.inbox.append(req)
         self.wake(d)
 
-    def on_pull_done(self, req: Req) -> None:
+    def on_pull_done(self, req: RequestTimeline) -> None:
         req.kv_ready = self.now  # seen at the decode's next loop boundary
         d = self.decodes[req.dinst]
         d.ready.append(req)
@@ -519,7 +473,7 @@ class Simulation:
             self.register(d.reg_wait.popleft(), t)
         self.decode_tick(d)
 
-    def finish(self, req: Req, d: _Decode, t: float) -> None:
+    def finish(self, req: RequestTimeline, d: _Decode, t: float) -> None:
         req.last_token = t
         req.done = t + self.ov.hop_ms
         d.assigned -= 1
@@ -528,12 +482,12 @@ class Simulation:
             self.retain(d, req, t)
             if conv is not None:
                 conv.dinst = d.idx
-        if conv is not None:
-            from kvtune.sim.workload import next_turn
-            next_turn(self, conv, req)
+        nxt = self.traffic.after(req.conv, req.turn, req.prompt, req.output, req.done)
+        if nxt is not None:
+            self.new_request(nxt)
 
     # --- retention (bidirectional) ------------------------------------------------------------
-    def retain(self, d: _Decode, req: Req, t: float) -> None:
+    def retain(self, d: _Decode, req: RequestTimeline, t: float) -> None:
         tokens = req.prompt + req.output
         old = d.retained.get(req.conv)
         if old is not None:
@@ -550,7 +504,7 @@ class Simulation:
         d.mem_retained += tokens
         self.at(t + self.ru.ttl_s * 1e3, self.on_ttl, ret)
 
-    def reserve(self, d: _Decode, req: Req) -> bool:
+    def reserve(self, d: _Decode, req: RequestTimeline) -> bool:
         """Allocate the request's KV blocks on the decode (evicting retained histories if needed)."""
         need = req.prompt + req.output
         if d.mem_running + need > self.dm.kv_capacity_tokens and d.mem_running > 0:

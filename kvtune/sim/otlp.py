@@ -13,14 +13,11 @@ import json
 import math
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import IO, Any
 
 from kvtune import spans as S
-from kvtune.errors import SimError
-from kvtune.sim.result import conversation_id, request_id
-
-if TYPE_CHECKING:
-    from kvtune.sim.result import SimResult
+from kvtune.sim.config import SimConfig, TransferModel
+from kvtune.sim.timeline import Timeline, conversation_id, request_id
 
 SCOPE_NAME = "kvtune.sim"
 SPANS_PER_LINE = 4096
@@ -37,7 +34,7 @@ def _engine_id(role: str, inst: int) -> str:
     return f"sim-{role}-{inst}"
 
 
-def resource_attributes(result: SimResult, key: tuple[str, int]) -> dict[str, Any]:
+def resource_attributes(config: SimConfig, key: tuple[str, int]) -> dict[str, Any]:
     role, inst = key
     from kvtune import __version__ as kvtune_version
     attrs: dict[str, Any] = {
@@ -46,20 +43,16 @@ def resource_attributes(result: SimResult, key: tuple[str, int]) -> dict[str, An
         S.KVTUNE_CONVENTION: S.CONVENTION_VERSION,
         S.KVTUNE_VERSION: str(kvtune_version),
     }
-    if result.config.model:
-        attrs[S.MODEL] = result.config.model
+    if config.model:
+        attrs[S.MODEL] = config.model
     return attrs
 
 
-def records(result: SimResult) -> Iterator[Record]:
+def records(cfg: SimConfig, timeline: Timeline) -> Iterator[Record]:
     """Every span of the run, request by request (retention spans last)."""
-    sim = result._sim
-    if sim is None:
-        raise SimError("SimResult: spans are only available from a result made by simulate()")
-    cfg = sim.cfg
     t0 = cfg.start_unix_ns
-    mode = cfg.mode
-    tm, rtm = sim.tm, sim.rtm
+    mode = cfg.mode.value
+    tm, rtm = cfg.transfer, cfg.reverse_transfer or cfg.transfer
     bidi = mode == S.Mode.BIDIRECTIONAL.value
     push = mode == S.Mode.PUSH.value
     trace_hi = (cfg.seed * 0x9E3779B1 + 0x5EED) & 0xFFFFFFFFFFFFFFFF or 1
@@ -77,7 +70,7 @@ def records(result: SimResult) -> Iterator[Record]:
     def ok(x: float) -> bool:
         return not math.isnan(x)
 
-    for r in sim.requests:
+    for r in timeline.requests:
         if math.isnan(r.done):
             continue  # did not finish (cannot happen in a drained run; kept for safety)
         rid = request_id(r.idx)
@@ -142,11 +135,11 @@ def records(result: SimResult) -> Iterator[Record]:
                ns(r.rdma_end), ns(r.notify), {**tgt_attrs, S.NOTIFY_SENT_NS: ns(r.rdma_end)})
         yield (d_key, trace, sid(), root, S.SpanName.DECODE_START.value, _KIND_INTERNAL,
                ns(r.kv_ready), ns(r.decode_start), {**on_d, **xfer, S.REMOTE_ENGINE_ID: p_eng})
-    for ret in sim.retentions:
+    for ret in timeline.retentions:
         owner = roots.get(ret.req_idx)
         if owner is None or math.isnan(ret.end):
             continue
-        req = sim.requests[ret.req_idx]
+        req = timeline.requests[ret.req_idx]
         rid = request_id(req.idx)
         # in the finished request's trace but not its child: it outlives the request span
         yield ((_DECODE, ret.dinst), owner[0], sid(), 0, S.SpanName.RETENTION.value,
@@ -157,7 +150,7 @@ def records(result: SimResult) -> Iterator[Record]:
                 S.RETENTION_TTL_S: float(ret.ttl_s), S.RETENTION_OUTCOME: ret.outcome})
 
 
-def _transfer_attrs(tm: Any, tokens: int, rid: str, direction: S.Direction, fabric: str) -> dict[str, Any]:
+def _transfer_attrs(tm: TransferModel, tokens: int, rid: str, direction: S.Direction, fabric: str) -> dict[str, Any]:
     return {S.TRANSFER_ID: S.transfer_id(rid, direction), S.DIRECTION: direction.value,
             S.TOKENS: int(tokens), S.BLOCKS: tm.blocks(tokens), S.BYTES: tm.bytes(tokens),
             S.DESCRIPTORS: tm.descriptors(tokens), S.FABRIC: fabric}
@@ -207,7 +200,8 @@ def _span_json(rec: Record) -> str:
             f'"endTimeUnixNano":"{end}","attributes":[{_attrs_json(attrs)}],"status":{{}}}}')
 
 
-def write_otlp_jsonl(result: SimResult, path: Path, *, progress: bool = False) -> int:
+def write_otlp_jsonl(config: SimConfig, timeline: Timeline, path: Path, *,
+                     progress: bool = False) -> int:
     """Write every span to ``path`` (OTLP-JSON lines); returns the span count."""
     from kvtune import __version__ as kvtune_version
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -217,26 +211,26 @@ def write_otlp_jsonl(result: SimResult, path: Path, *, progress: bool = False) -
     bar = None
     if progress:
         from tqdm import tqdm
-        bar = tqdm(total=len(result.requests), unit="req", desc="spans", leave=False)
+        bar = tqdm(total=len(timeline.requests), unit="req", desc="spans", leave=False)
     with path.open("w", encoding="utf-8") as fh:
         batch: dict[tuple[str, int], list[str]] = {}
         count = 0
-        for rec in records(result):
+        for rec in records(config, timeline):
             batch.setdefault(rec[0], []).append(_span_json(rec))
             count += 1
             if bar is not None and rec[5] == _KIND_SERVER:
                 bar.update(1)
             if count >= SPANS_PER_LINE:
-                n += _flush(fh, batch, res_cache, result, scope)
+                n += _flush(fh, batch, res_cache, config, scope)
                 batch, count = {}, 0
-        n += _flush(fh, batch, res_cache, result, scope)
+        n += _flush(fh, batch, res_cache, config, scope)
     if bar is not None:
         bar.close()
     return n
 
 
-def _flush(fh: Any, batch: dict[tuple[str, int], list[str]], res_cache: dict[tuple[str, int], str],
-           result: SimResult, scope: str) -> int:
+def _flush(fh: IO[str], batch: dict[tuple[str, int], list[str]],
+           res_cache: dict[tuple[str, int], str], config: SimConfig, scope: str) -> int:
     if not batch:
         return 0
     parts = []
@@ -244,7 +238,7 @@ def _flush(fh: Any, batch: dict[tuple[str, int], list[str]], res_cache: dict[tup
     for key, span_list in batch.items():
         res = res_cache.get(key)
         if res is None:
-            res = res_cache[key] = _attrs_json(resource_attributes(result, key))
+            res = res_cache[key] = _attrs_json(resource_attributes(config, key))
         parts.append('{"resource":{"attributes":[' + res + ']},"scopeSpans":[{"scope":' + scope
                      + ',"spans":[' + ",".join(span_list) + "]}]}")
         n += len(span_list)
@@ -253,7 +247,7 @@ def _flush(fh: Any, batch: dict[tuple[str, int], list[str]], res_cache: dict[tup
 
 
 # --- OpenTelemetry SDK objects ------------------------------------------------------------------
-def readable_spans(result: SimResult) -> list:
+def readable_spans(config: SimConfig, timeline: Timeline) -> list:
     """Every span as an SDK ``ReadableSpan`` (for exporters and in-memory checks)."""
     from opentelemetry.sdk.resources import Resource
     from opentelemetry.sdk.trace import ReadableSpan
@@ -265,10 +259,10 @@ def readable_spans(result: SimResult) -> list:
     resources: dict[tuple[str, int], Resource] = {}
     flags = TraceFlags(TraceFlags.SAMPLED)
     out = []
-    for key, trace, span, parent, name, kind, start, end, attrs in records(result):
+    for key, trace, span, parent, name, kind, start, end, attrs in records(config, timeline):
         res = resources.get(key)
         if res is None:
-            res = resources[key] = Resource(resource_attributes(result, key))
+            res = resources[key] = Resource(resource_attributes(config, key))
         out.append(ReadableSpan(
             name=name, context=SpanContext(trace, span, is_remote=False, trace_flags=flags),
             parent=SpanContext(trace, parent, is_remote=False, trace_flags=flags) if parent else None,

@@ -31,10 +31,13 @@ reconstruction of the benchmark conditions, which the public results do not full
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Any
+
+import pandas as pd
 
 from kvtune.errors import SimError
-from kvtune.sim.config import (DecodeModel, Dist, Overheads, PrefillModel, ReuseSettings, SimConfig,
-                               TransferModel, WorkloadSpec)
+from kvtune.sim.config import (DecodeModel, Dist, Mode, Overheads, PrefillModel, ReuseSettings,
+                               SimConfig, TransferModel, WorkloadSpec)
 
 PUBLIC_MODEL = "Qwen/Qwen3-32B"
 QWEN3_32B_KV_BYTES_PER_TOKEN = 64 * 2 * 8 * 128 * 2
@@ -72,7 +75,7 @@ PUSH_PULL_WARMUP_S = 300.0
 PRESETS = ("public-h200-qwen3-32b",)
 
 
-def public_h200_qwen3_32b(mode: str = "bidirectional", **changes) -> SimConfig:
+def public_h200_qwen3_32b(mode: Mode | str = Mode.BIDIRECTIONAL, **changes: Any) -> SimConfig:
     """The public 1P1D H200/EFA Qwen3-32B setup (see module docstring)."""
     cfg = SimConfig(
         mode=mode,
@@ -92,7 +95,7 @@ def public_h200_qwen3_32b(mode: str = "bidirectional", **changes) -> SimConfig:
     return cfg.with_(**changes) if changes else cfg
 
 
-def preset(name: str, **changes) -> SimConfig:
+def preset(name: str, **changes: Any) -> SimConfig:
     """A preset by its CLI name."""
     if name == "public-h200-qwen3-32b":
         return public_h200_qwen3_32b(**changes)
@@ -115,11 +118,11 @@ def reuse_scenario(context_tokens: int, *, reuse: bool, base: SimConfig | None =
                       new_tokens=Dist.fixed(REUSE_NEW_TOKENS),
                       think_time_s=Dist("uniform", REUSE_THINK_TIME_S), users=REUSE_USERS)
     ru = replace(base.reuse, prefix_caching=False, ttl_s=base.reuse.ttl_s if reuse else 0.0)
-    return replace(base, mode="bidirectional" if reuse else "pull", workload=wl, reuse=ru, seed=seed,
+    return replace(base, mode=Mode.BIDIRECTIONAL if reuse else Mode.PULL, workload=wl, reuse=ru, seed=seed,
                    requests=None)
 
 
-def push_pull_scenario(mode: str, prompt_tokens: int, qps: float, *, base: SimConfig | None = None,
+def push_pull_scenario(mode: Mode | str, prompt_tokens: int, qps: float, *, base: SimConfig | None = None,
                        seed: int = 0, duration_s: float = PUSH_PULL_DURATION_S) -> SimConfig:
     """The published push-vs-pull comparison: single-shot prompts of ``prompt_tokens`` at ``qps``.
     Measure the steady state: ``SimResult.ttft(warmup_s=PUSH_PULL_WARMUP_S)``."""
@@ -129,14 +132,14 @@ def push_pull_scenario(mode: str, prompt_tokens: int, qps: float, *, base: SimCo
     return replace(base, mode=mode, workload=wl, seed=seed, requests=None)
 
 
-def configure(preset_name: str = "public-h200-qwen3-32b", *, mode: str = "push",
+def configure(preset_name: str = "public-h200-qwen3-32b", *, mode: Mode | str = Mode.PUSH,
               qps: float | None = None, users: int | None = None, duration_s: float | None = None,
               prompt_tokens: str | float | None = None, output_tokens: str | float | None = None,
               turns: str | float | None = None, new_tokens: str | float | None = None,
               think_time_s: str | float | None = None, prefill_instances: int | None = None,
               decode_instances: int | None = None, ttl_s: float | None = None,
               threshold_tokens: int | None = None, prefix_caching: bool | None = None,
-              requests: object = None, seed: int = 0) -> SimConfig:
+              requests: pd.DataFrame | None = None, seed: int = 0) -> SimConfig:
     """A preset with the given traffic and deployment overrides (``None`` keeps the default).
     Distributions are numbers or ``KIND:P1,P2`` strings (:meth:`Dist.parse`)."""
     cfg = preset(preset_name, mode=mode, seed=seed)

@@ -6,15 +6,16 @@ import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import pandas as pd
 
 from kvtune.sim.config import SimConfig
-
-if TYPE_CHECKING:
-    from kvtune.sim.engine import Retention, Simulation
+from kvtune.sim.engine import Simulation
+from kvtune.sim.otlp import readable_spans, write_otlp_jsonl
+from kvtune.sim.timeline import Retention, Timeline, conversation_id, request_id
+from kvtune.spans import Mode
 
 REQUEST_COLUMNS: tuple[str, ...] = (
     "request_id", "conversation_id", "turn", "mode", "prompt_tokens", "output_tokens",
@@ -29,20 +30,11 @@ durations in ms. ``transfer_ms``: forward descriptor setup start -> RDMA done; `
 KV ready on the decode -> scheduled; ``reuse_outcome`` is "" outside bidirectional mode."""
 
 
-def request_id(idx: int) -> str:
-    """The simulated request id (also its base request id)."""
-    return f"sim-{idx:08d}"
-
-
-def conversation_id(conv: int) -> str:
-    return f"conv-{conv:06d}"
-
-
 @dataclass(frozen=True)
 class TtftEstimate:
     """TTFT of one simulated mode."""
 
-    mode: str
+    mode: Mode
     p50_ms: float
     p90_ms: float
     p99_ms: float
@@ -63,7 +55,8 @@ class SimResult:
     decode_steps: int
     decode_stall_ms: float
     """Total time the decode engine loops spent building descriptors inline (pull)."""
-    _sim: Any = field(repr=False, default=None)
+    timeline: Timeline = field(repr=False, default=Timeline((), ()))
+    """What happened to each request and retained history (the spans are built from it)."""
 
     def ttft(self, *, min_turn: int = 1, warmup_s: float = 0.0) -> TtftEstimate:
         """TTFT percentiles over finished requests (turn >= ``min_turn``) that arrived at or after
@@ -80,24 +73,22 @@ class SimResult:
 
     @property
     def retentions(self) -> list[Retention]:
-        return list(self._sim.retentions) if self._sim is not None else []
+        return list(self.timeline.retentions)
 
     def spans(self) -> list:
         """The run's spans as OpenTelemetry SDK ``ReadableSpan`` objects (in memory)."""
-        from kvtune.sim.otlp import readable_spans
-        return readable_spans(self)
+        return readable_spans(self.config, self.timeline)
 
     def write_spans(self, path: str | os.PathLike[str], *, progress: bool = False) -> int:
         """Write the spans as OTLP-JSON lines (the Collector file exporter's format) to ``path``;
         returns the number of spans written."""
-        from kvtune.sim.otlp import write_otlp_jsonl
-        return write_otlp_jsonl(self, Path(path), progress=progress)
+        return write_otlp_jsonl(self.config, self.timeline, Path(path), progress=progress)
 
     def summary(self) -> dict[str, Any]:
         """Plain-JSON summary of the run."""
         est = self.ttft()
         return {
-            "mode": self.config.mode, "topology": self.config.topology, "name": self.config.name,
+            "mode": self.config.mode.value, "topology": self.config.topology, "name": self.config.name,
             "requests": int(len(self.requests)), "finished": est.n_requests,
             "ttft_p50_ms": est.p50_ms, "ttft_p90_ms": est.p90_ms, "ttft_p99_ms": est.p99_ms,
             "ttft_mean_ms": est.mean_ms, "reuse_share": est.reuse_share,
@@ -106,12 +97,15 @@ class SimResult:
 
 
 def build_result(sim: Simulation, wall_s: float) -> SimResult:
-    return SimResult(sim.cfg, requests_table(sim), wall_s, sim.events,
-                     sum(d.steps for d in sim.decodes), sum(d.stall_ms for d in sim.decodes), sim)
+    timeline = sim.timeline
+    return SimResult(sim.cfg, requests_table(sim.cfg, timeline), wall_s, sim.events,
+                     sum(d.steps for d in sim.decodes), sum(d.stall_ms for d in sim.decodes),
+                     timeline)
 
 
-def requests_table(sim: Simulation) -> pd.DataFrame:
-    reqs = sim.requests
+def requests_table(config: SimConfig, timeline: Timeline) -> pd.DataFrame:
+    """The per-request table (:data:`REQUEST_COLUMNS`) of a run's timeline."""
+    reqs = timeline.requests
     n = len(reqs)
 
     def arr(name: str) -> np.ndarray:
@@ -123,7 +117,7 @@ def requests_table(sim: Simulation) -> pd.DataFrame:
     arrival = arr("arrival")
     ps, pe = arr("prefill_start"), arr("prefill_end")
     first, done = arr("first_token"), arr("done")
-    hop = sim.cfg.overheads.hop_ms
+    hop = config.overheads.hop_ms
     setup_start, rdma_end = arr("setup_start"), arr("rdma_end")
     rev_start, rev_end = arr("rev_setup_start"), arr("rev_rdma_end")
     kv_ready, dstart = arr("kv_ready"), arr("decode_start")
@@ -138,7 +132,7 @@ def requests_table(sim: Simulation) -> pd.DataFrame:
         "request_id": [request_id(r.idx) for r in reqs],
         "conversation_id": [conversation_id(r.conv) for r in reqs],
         "turn": iarr("turn"),
-        "mode": np.full(n, sim.cfg.mode, dtype=object),
+        "mode": np.full(n, config.mode.value, dtype=object),
         "prompt_tokens": iarr("prompt"),
         "output_tokens": output,
         "history_tokens": iarr("history"),
@@ -170,7 +164,6 @@ def requests_table(sim: Simulation) -> pd.DataFrame:
 
 def simulate(config: SimConfig, *, progress: bool = False) -> SimResult:
     """Run one simulation (deterministic for a given ``config.seed``)."""
-    from kvtune.sim.engine import Simulation
     t0 = time.perf_counter()
     sim = Simulation(config, progress=progress).run()
     wall = time.perf_counter() - t0

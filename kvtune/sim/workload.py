@@ -3,16 +3,15 @@ from a measured ``kvtune.analysis.Workload`` summary to a :class:`WorkloadSpec`.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import pandas as pd
 
+from kvtune.analysis.workload import TracedRequest, Workload
 from kvtune.errors import SimError
 from kvtune.sim.config import Dist, WorkloadSpec
-
-if TYPE_CHECKING:
-    from kvtune.sim.engine import Req, Simulation, _Conversation
 
 REPLAY_REQUIRED: tuple[str, ...] = ("arrival_s", "prompt_tokens", "output_tokens")
 REPLAY_OPTIONAL: tuple[str, ...] = ("conversation_id", "turn")
@@ -27,103 +26,143 @@ GEOMETRIC_SAMPLE = 4096  # size of the empirical sample standing for a geometric
 MIN_SPEC_DURATION_S = 30.0
 
 
-def schedule_arrivals(sim: Simulation) -> float:
-    """Put the first requests on the simulation's heap; returns the arrival horizon in ms."""
-    cfg = sim.cfg
-    if cfg.requests is not None:
-        return _schedule_replay(sim, requests_frame(cfg.requests))
-    return _schedule_synthetic(sim, cfg.workload, cfg.seed)
+@dataclass(frozen=True)
+class Arrival:
+    """One request for the engine to play: turn ``turn`` of conversation ``conversation``, arriving
+    at ``arrival_ms`` (simulated ms from 0) with ``history_tokens`` of its prompt carried over from
+    the previous turn."""
+
+    conversation: int
+    turn: int
+    prompt_tokens: int
+    output_tokens: int
+    history_tokens: int
+    arrival_ms: float
 
 
-def _new_conversation(sim: Simulation, w: WorkloadSpec, rng: np.random.Generator,
-                      start_ms: float) -> None:
-    from kvtune.sim.engine import _Conversation
-    k = max(1, int(np.rint(w.turns.sample(rng, 1)[0])))
-    first = int(np.clip(np.rint(w.prompt_tokens.sample(rng, 1)[0]), 1, w.max_prompt_tokens))
-    outputs = np.maximum(1, np.rint(w.output_tokens.sample(rng, k))).astype(np.int64)
-    new = np.maximum(1, np.rint(w.new_tokens.sample(rng, k))).astype(np.int64)
-    conv = _Conversation(len(sim.convs), k, first, outputs, new, w.think_time_s.sample(rng, k))
-    sim.convs[conv.cid] = conv
-    sim.new_request(conv.cid, 1, conv.prompt, int(conv.outputs[0]), 0, start_ms)
+class _Conversation:
+    """A synthetic conversation's plan: its turns' outputs, added tokens and think times."""
+
+    __slots__ = ("cid", "turns", "outputs", "new_tokens", "gaps", "next_turn", "prompt")
+
+    def __init__(self, cid: int, turns: int, first_prompt: int, outputs: np.ndarray,
+                 new_tokens: np.ndarray, gaps: np.ndarray) -> None:
+        self.cid, self.turns, self.prompt = cid, turns, first_prompt
+        self.outputs, self.new_tokens, self.gaps = outputs, new_tokens, gaps
+        self.next_turn = 1
 
 
-def _schedule_synthetic(sim: Simulation, w: WorkloadSpec, seed: int) -> float:
-    from kvtune.sim.engine import _Conversation
-    rng = np.random.default_rng(seed)
-    if w.users > 0:  # closed loop: each user starts a new conversation when the last one ended
-        sim.user_rng = rng
-        for start in rng.uniform(0.0, max(w.think_time_s.mean(), 1e-3), w.users):
-            _new_conversation(sim, w, rng, float(start) * 1e3)
-        return w.duration_s * 1e3
-    mean_turns = max(1.0, w.turns.mean())
-    rate = w.qps / mean_turns  # conversations per second
-    n_est = int(rate * w.duration_s * 1.3 + 10 * math.sqrt(rate * w.duration_s + 1) + 10)
-    starts = np.cumsum(rng.exponential(1.0 / rate, n_est))
-    while starts[-1] < w.duration_s:  # rare: extend
-        starts = np.concatenate([starts, starts[-1] + np.cumsum(rng.exponential(1.0 / rate, n_est))])
-    starts = starts[starts < w.duration_s]
-    n = len(starts)
-    turns = np.maximum(1, np.rint(w.turns.sample(rng, n))).astype(np.int64)
-    first = np.clip(np.rint(w.prompt_tokens.sample(rng, n)), 1, w.max_prompt_tokens).astype(np.int64)
-    total = int(turns.sum())
-    outputs = np.maximum(1, np.rint(w.output_tokens.sample(rng, total))).astype(np.int64)
-    new = np.maximum(1, np.rint(w.new_tokens.sample(rng, total))).astype(np.int64)
-    gaps = w.think_time_s.sample(rng, total)
-    off = 0
-    for cid in range(n):
-        k = int(turns[cid])
-        conv = _Conversation(cid, k, int(first[cid]), outputs[off:off + k], new[off:off + k],
-                             gaps[off:off + k])
-        off += k
-        sim.convs[cid] = conv
-        sim.new_request(cid, 1, conv.prompt, int(conv.outputs[0]), 0, float(starts[cid]) * 1e3)
-    return w.duration_s * 1e3
+class Traffic:
+    """The arrivals of one run, apart from the engine that plays them: :meth:`start` gives the
+    requests known up front, :meth:`after` the one a finished request leads to (the next turn of
+    its conversation, or, closed loop, its user's next conversation). Synthetic traffic
+    (:class:`WorkloadSpec`) or a replayed request table (``SimConfig.requests``)."""
 
+    def __init__(self, spec: WorkloadSpec, *, seed: int = 0, requests: pd.DataFrame | None = None
+                 ) -> None:
+        self.spec = spec
+        self.seed = seed
+        self.replay = requests_frame(requests) if requests is not None else None
+        self._convs: dict[int, _Conversation] = {}
+        self._user_rng: np.random.Generator | None = None  # closed-loop workloads
+        self.horizon_ms = 0.0
+        """Arrivals stop here (ms), known once :meth:`start` ran."""
 
-def next_turn(sim: Simulation, conv: _Conversation, req: Req) -> None:
-    """Schedule a conversation's next turn after ``req`` finished (closed loop within a session)."""
-    k = conv.next_turn
-    w = sim.cfg.workload
-    history = req.prompt + req.output
-    prompt = history + int(conv.new_tokens[k]) if k < conv.turns else 0
-    if k >= conv.turns or prompt > w.max_prompt_tokens:
-        conv.turns = k
-        if sim.user_rng is not None:  # closed loop: this user's next conversation
-            start = req.done + float(conv.gaps[k - 1]) * 1e3
-            if start < w.duration_s * 1e3:
-                _new_conversation(sim, w, sim.user_rng, start)
-        return
-    conv.next_turn = k + 1
-    sim.new_request(conv.cid, k + 1, prompt, int(conv.outputs[k]), history,
-                    req.done + float(conv.gaps[k]) * 1e3)
+    def start(self) -> list[Arrival]:
+        """The arrivals known before the run (every request of a replay; every conversation's first
+        turn otherwise), in the order the engine should create them."""
+        if self.replay is not None:
+            return self._replay(self.replay)
+        return self._synthetic(self.spec, self.seed)
 
+    def _new_conversation(self, w: WorkloadSpec, rng: np.random.Generator, start_ms: float
+                          ) -> Arrival:
+        k = max(1, int(np.rint(w.turns.sample(rng, 1)[0])))
+        first = int(np.clip(np.rint(w.prompt_tokens.sample(rng, 1)[0]), 1, w.max_prompt_tokens))
+        outputs = np.maximum(1, np.rint(w.output_tokens.sample(rng, k))).astype(np.int64)
+        new = np.maximum(1, np.rint(w.new_tokens.sample(rng, k))).astype(np.int64)
+        conv = _Conversation(len(self._convs), k, first, outputs, new, w.think_time_s.sample(rng, k))
+        self._convs[conv.cid] = conv
+        return Arrival(conv.cid, 1, conv.prompt, int(conv.outputs[0]), 0, start_ms)
 
-def _schedule_replay(sim: Simulation, df: pd.DataFrame) -> float:
-    from kvtune.sim.engine import _Conversation
-    has_conv = "conversation_id" in df.columns
-    df = df.sort_values("arrival_s", kind="stable")
-    t0 = float(df["arrival_s"].min()) if len(df) else 0.0
-    conv_ids: dict[Any, int] = {}
-    last: dict[int, int] = {}  # conv -> previous prompt + output
-    turns: dict[int, int] = {}
-    cols = [df["arrival_s"].to_numpy(float), df["prompt_tokens"].to_numpy(np.int64),
-            df["output_tokens"].to_numpy(np.int64)]
-    conv_col = df["conversation_id"].to_numpy(object) if has_conv else [None] * len(df)
-    for arr, prompt, out, cid in zip(*cols, conv_col):
-        if cid is None or (isinstance(cid, float) and math.isnan(cid)) or cid is pd.NA:
-            c = len(conv_ids) + len(turns) + 10**9  # a conversation of its own
-            history = 0
-        else:
-            c = conv_ids.setdefault(cid, len(conv_ids))
-            prev = last.get(c, 0)
-            history = prev if 0 < prev <= prompt else 0
-            if c not in sim.convs:
-                sim.convs[c] = _Conversation(c, 0, int(prompt), np.zeros(0, np.int64),
-                                             np.zeros(0, np.int64), np.zeros(0))
-            last[c] = int(prompt + out)
-        turns[c] = turns.get(c, 0) + 1
-        sim.new_request(c, turns[c], int(prompt), int(out), int(history), (arr - t0) * 1e3)
-    return (float(df["arrival_s"].max()) - t0) * 1e3 if len(df) else 0.0
+    def _synthetic(self, w: WorkloadSpec, seed: int) -> list[Arrival]:
+        rng = np.random.default_rng(seed)
+        self.horizon_ms = w.duration_s * 1e3
+        if w.users > 0:  # closed loop: each user starts a new conversation when the last one ended
+            self._user_rng = rng
+            return [self._new_conversation(w, rng, float(start) * 1e3)
+                    for start in rng.uniform(0.0, max(w.think_time_s.mean(), 1e-3), w.users)]
+        mean_turns = max(1.0, w.turns.mean())
+        rate = w.qps / mean_turns  # conversations per second
+        n_est = int(rate * w.duration_s * 1.3 + 10 * math.sqrt(rate * w.duration_s + 1) + 10)
+        starts = np.cumsum(rng.exponential(1.0 / rate, n_est))
+        while starts[-1] < w.duration_s:  # rare: extend
+            starts = np.concatenate([starts, starts[-1] + np.cumsum(rng.exponential(1.0 / rate, n_est))])
+        starts = starts[starts < w.duration_s]
+        n = len(starts)
+        turns = np.maximum(1, np.rint(w.turns.sample(rng, n))).astype(np.int64)
+        first = np.clip(np.rint(w.prompt_tokens.sample(rng, n)), 1, w.max_prompt_tokens).astype(np.int64)
+        total = int(turns.sum())
+        outputs = np.maximum(1, np.rint(w.output_tokens.sample(rng, total))).astype(np.int64)
+        new = np.maximum(1, np.rint(w.new_tokens.sample(rng, total))).astype(np.int64)
+        gaps = w.think_time_s.sample(rng, total)
+        out: list[Arrival] = []
+        off = 0
+        for cid in range(n):
+            k = int(turns[cid])
+            conv = _Conversation(cid, k, int(first[cid]), outputs[off:off + k], new[off:off + k],
+                                 gaps[off:off + k])
+            off += k
+            self._convs[cid] = conv
+            out.append(Arrival(cid, 1, conv.prompt, int(conv.outputs[0]), 0, float(starts[cid]) * 1e3))
+        return out
+
+    def after(self, conversation: int, turn: int, prompt_tokens: int, output_tokens: int,
+              done_ms: float) -> Arrival | None:
+        """What follows a finished request (its conversation's next turn, a closed-loop user's next
+        conversation), or None."""
+        conv = self._convs.get(conversation)
+        if conv is None or self.replay is not None:
+            return None
+        k = conv.next_turn
+        w = self.spec
+        history = prompt_tokens + output_tokens
+        prompt = history + int(conv.new_tokens[k]) if k < conv.turns else 0
+        if k >= conv.turns or prompt > w.max_prompt_tokens:
+            conv.turns = k
+            if self._user_rng is not None:  # closed loop: this user's next conversation
+                start = done_ms + float(conv.gaps[k - 1]) * 1e3
+                if start < w.duration_s * 1e3:
+                    return self._new_conversation(w, self._user_rng, start)
+            return None
+        conv.next_turn = k + 1
+        return Arrival(conv.cid, k + 1, prompt, int(conv.outputs[k]), history,
+                       done_ms + float(conv.gaps[k]) * 1e3)
+
+    def _replay(self, df: pd.DataFrame) -> list[Arrival]:
+        has_conv = "conversation_id" in df.columns
+        df = df.sort_values("arrival_s", kind="stable")
+        t0 = float(df["arrival_s"].min()) if len(df) else 0.0
+        conv_ids: dict[Any, int] = {}
+        last: dict[int, int] = {}  # conv -> previous prompt + output
+        turns: dict[int, int] = {}
+        cols = [df["arrival_s"].to_numpy(float), df["prompt_tokens"].to_numpy(np.int64),
+                df["output_tokens"].to_numpy(np.int64)]
+        conv_col = df["conversation_id"].to_numpy(object) if has_conv else [None] * len(df)
+        out: list[Arrival] = []
+        for arr, prompt, o, cid in zip(*cols, conv_col):
+            if cid is None or (isinstance(cid, float) and math.isnan(cid)) or cid is pd.NA:
+                c = len(conv_ids) + len(turns) + 10**9  # a conversation of its own
+                history = 0
+            else:
+                c = conv_ids.setdefault(cid, len(conv_ids))
+                prev = last.get(c, 0)
+                history = prev if 0 < prev <= prompt else 0
+                last[c] = int(prompt + o)
+            turns[c] = turns.get(c, 0) + 1
+            out.append(Arrival(c, turns[c], int(prompt), int(o), int(history), (arr - t0) * 1e3))
+        self.horizon_ms = (float(df["arrival_s"].max()) - t0) * 1e3 if len(df) else 0.0
+        return out
 
 
 def requests_from_spans(spans: pd.DataFrame) -> pd.DataFrame:
@@ -185,13 +224,14 @@ def requests_frame(requests: Any) -> pd.DataFrame:
     return df
 
 
-def spec_from_workload(workload: Any, *, duration_s: float | None = None) -> WorkloadSpec:
-    """A :class:`WorkloadSpec` from a measured summary (``kvtune.analysis.Workload`` or any object
-    with ``qps, prompt_tokens_p50, prompt_tokens_p90, output_tokens_p50,
-    turns_per_conversation_mean, gaps_s, duration_s``).
+def spec_from_workload(workload: Workload, *, duration_s: float | None = None) -> WorkloadSpec:
+    """A :class:`WorkloadSpec` from a measured summary (``kvtune.analysis.Workload``; fields read:
+    ``qps, prompt_tokens_p50, prompt_tokens_p90, output_tokens_p50,
+    turns_per_conversation_mean, gaps_s, duration_s, requests``; missing optional ones take
+    defaults).
 
     First-turn prompts and the tokens later turns add are drawn from ``workload.requests``
-    ((prompt, history, gap) per request) when present. Otherwise: first-turn prompts are
+    (``kvtune.analysis.TracedRequest``) when present. Otherwise: first-turn prompts are
     log-normal through p50 and p90 and a later turn adds ``NEW_TOKENS_SHARE`` of the median
     prompt. Outputs are fixed at p50; turns per conversation are geometric with the measured mean;
     think times are drawn from the measured gaps.
@@ -224,11 +264,13 @@ def spec_from_workload(workload: Any, *, duration_s: float | None = None) -> Wor
                  and math.isfinite(float(g)) and float(g) >= 0)
     think = Dist("empirical", gaps) if gaps else Dist("exponential", (DEFAULT_THINK_TIME_S,))
     new = Dist.fixed(max(MIN_NEW_TOKENS, round(p50 * NEW_TOKENS_SHARE)))
-    # per-request (prompt, history, gap) when the summary has them: first-turn prompts and the
+    # per-request shapes when the summary has them: first-turn prompts and the
     # tokens later turns add, as measured
-    reqs = [r for r in (getattr(workload, "requests", None) or ()) if len(r) >= 2 and r[0] and r[0] > 0]
-    firsts = tuple(float(r[0]) for r in reqs if not r[1])
-    added = tuple(float(max(1, r[0] - r[1])) for r in reqs if r[1] and r[1] > 0)
+    reqs: list[TracedRequest] = [r for r in (getattr(workload, "requests", None) or ())
+                                 if r.prompt_tokens > 0]
+    firsts = tuple(float(r.prompt_tokens) for r in reqs if not r.history_tokens)
+    added = tuple(float(max(1, r.prompt_tokens - r.history_tokens)) for r in reqs
+                  if r.history_tokens > 0)
     if firsts:
         prompt = Dist("empirical", firsts)
     if added:

@@ -57,5 +57,5 @@ def ttl_curve(tuning: Any, workload: Any, *, points: int = 60) -> dict[str, Any]
     captured = [captured_share(t, gaps, toks, thr_tokens) for t in grid]
     held = [retained_gb(t, gaps, toks, finals, bpt, workload.duration_s) for t in grid]
     return {"ttls_s": grid.tolist(), "captured": captured, "held_gb": held, "chosen_s": chosen,
-            "router_s": tuning.ttl.evidence.get("router_params_ttl_s")}
+            "router_s": tuning.ttl.evidence.router_params_ttl_s}
 

@@ -38,6 +38,7 @@ def write_report(path: Path, figures_dir: Path, *, title: str, source: str,
         parts.append(headline.render(top))
         parts.append(f'<section id="findings"><h2>Findings ({len(top.findings)})</h2>'
                      f'{findings_html(top.findings)}</section>')
+        parts.append(sim_inputs_html(recommendation))
     else:
         parts.append('<p class="no-rec"><b>No recommendation</b>: the tune notebook did not run, '
                      'so there are no values to apply. Values the notebooks published:</p>')
@@ -68,6 +69,27 @@ def write_report(path: Path, figures_dir: Path, *, title: str, source: str,
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(doc)
     return path
+
+
+def sim_inputs_html(recommendation: dict[str, Any]) -> str:
+    """The numbers the simulator played for the mode comparison, each with its source
+    (``recommendations.mode.evidence.sim_inputs``); preset values first. "" when it did not run."""
+    from kvtune.tune.findings import value_text
+
+    ev = ((recommendation.get("recommendations") or {}).get("mode") or {}).get("evidence") or {}
+    inputs = [i for i in ev.get("sim_inputs") or () if isinstance(i, dict)]
+    if not inputs:
+        return ""
+    inputs.sort(key=lambda i: (not str(i.get("source", "")).startswith("preset"),))
+    n_preset = sum(1 for i in inputs if str(i.get("source", "")).startswith("preset"))
+    rows = "".join(
+        f"<tr><td><code>{html.escape(str(i.get('name')))}</code></td>"
+        f"<td>{html.escape(value_text(i.get('value')))}</td>"
+        f"<td>{html.escape(str(i.get('source')))}</td></tr>" for i in inputs)
+    return (f'<section id="sim-inputs"><h2>Simulator inputs ({n_preset} of {len(inputs)} from '
+            f'the preset)</h2><details><summary>What the mode comparison played, and where each '
+            f'number came from</summary><table class="sim-inputs"><tr><th>input</th><th>value</th>'
+            f'<th>source</th></tr>{rows}</table></details></section>')
 
 
 def _values_table(values: dict[str, Any]) -> str:

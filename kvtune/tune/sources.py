@@ -147,7 +147,7 @@ def _probe(spans_dir: Path, fabric: str, tokens: Sequence[int], seed: int,
 def _sim(spans_dir: Path, probe: Any, seed: int) -> int:
     from dataclasses import replace
 
-    from kvtune.sim import Dist, ReuseSettings, SimConfig, WorkloadSpec, simulate
+    from kvtune.sim import Dist, ReuseSettings, WorkloadSpec, from_fit, simulate
 
     spans_dir.mkdir(parents=True, exist_ok=True)
     geo = tiny_geometry()
@@ -159,8 +159,8 @@ def _sim(spans_dir: Path, probe: Any, seed: int) -> int:
         pts = [p for p in probe.points if p.p50_ms and p.gbps_p50]
         fit = _FitGuess(floor_ms=min(p.p50_ms for p in pts),
                         bandwidth_gbps=max(p.gbps_p50 for p in pts))
-    cfg = SimConfig.from_fit(fit, prefill, mode="bidirectional", seed=seed, fabric="local-ucx",
-                             model="kvtune-tiny (simulated)")
+    cfg = from_fit(fit, prefill, mode="bidirectional", seed=seed, fabric="local-ucx",
+                   model="kvtune-tiny (simulated)")
     cfg = replace(cfg, transfer=replace(cfg.transfer, kv_bytes_per_token=geo.bytes_per_token,
                                         block_tokens=geo.block_size_tokens,
                                         descriptors_per_block=2 * geo.layers),

@@ -1,0 +1,153 @@
+"""The evidence behind each recommendation, as typed frozen dataclasses.
+
+Each serialises (``as_dict``) to the same JSON object ``recommendation.json`` has always carried
+under ``recommendations.<name>.evidence``; fields marked ``omit_none`` are left out of the JSON
+when they are ``None`` (they only exist in some cases, e.g. the break-even costs when there is a
+break-even). Readers in Python use the attributes; readers of the JSON the keys, which are the
+field names.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields, is_dataclass
+from typing import Any
+
+from kvtune.sim.calibrate import SimInput
+
+OMIT_NONE = {"omit_none": True}
+"""Field metadata: leave the key out of the JSON when the value is None."""
+
+
+def plain(value: Any) -> Any:
+    """JSON-safe copy: tuples -> lists, NaN/inf -> None, objects with ``as_dict`` -> dicts."""
+    if hasattr(value, "as_dict"):
+        return plain(value.as_dict())
+    if isinstance(value, dict):
+        return {str(getattr(k, "value", k)): plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [plain(v) for v in value]
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if hasattr(value, "item") and not isinstance(value, (str, bytes)):  # numpy scalar
+        return plain(value.item())
+    return value
+
+
+def evidence_dict(obj: Any) -> dict[str, Any]:
+    """The JSON object of an evidence dataclass: its fields in order, ``omit_none`` ones left out
+    when None."""
+    assert is_dataclass(obj)
+    out: dict[str, Any] = {}
+    for f in fields(obj):
+        value = getattr(obj, f.name)
+        if value is None and f.metadata.get("omit_none"):
+            continue
+        out[f.name] = plain(value)
+    return out
+
+
+@dataclass(frozen=True)
+class ThresholdEvidence:
+    """Why ``kv_recompute_threshold`` is what it is (``kvtune.recommend.threshold``)."""
+
+    break_even_tokens: float | None
+    """Tokens of history at which pulling costs what recomputing does; None: never."""
+    floor_ms: float
+    bandwidth_gbps: float
+    per_descriptor_us: float | None
+    bytes_per_token: float
+    descriptors_per_token: float
+    wire_ms_per_token: float
+    prefill_per_token_ms: float
+    prefill_per_token_prefix_us: float
+    max_context_tokens: int
+    fit_r2: float
+    fit_n_transfers: int
+    prefill_n_observations: int
+    pull_ms_at_break_even: float | None = field(default=None, metadata=OMIT_NONE)
+    recompute_ms_at_break_even: float | None = field(default=None, metadata=OMIT_NONE)
+    prefill_per_token_ci_ms: tuple[float, float] | None = None
+    """95% interval of the prefill fit's per-token term (None: not known)."""
+    prefill_per_token_prefix_ci_us: tuple[float, float] | None = None
+    break_even_range_fabric_tokens: tuple[float | None, float | None] | None = None
+    """Break-even over the fabric fit's intervals alone (prefill at its fitted value)."""
+    break_even_range_prefill_tokens: tuple[float | None, float | None] | None = None
+    """Break-even over the prefill fit's intervals alone (fabric at its fitted value)."""
+
+    def as_dict(self) -> dict[str, Any]:
+        return evidence_dict(self)
+
+
+@dataclass(frozen=True)
+class TtlEvidence:
+    """Why ``decoder_kv_blocks_ttl`` is what it is (``kvtune.recommend.ttl``). Without gaps between
+    turns only the first fields and ``router_*`` / ``captured_share`` are set."""
+
+    n_gaps: int
+    hbm_budget_gb: float
+    bytes_per_token: float
+    threshold_tokens: float
+    duration_s: float
+    peak_to_mean: float
+    gap_s_p50: float | None = field(default=None, metadata=OMIT_NONE)
+    gap_s_p90: float | None = field(default=None, metadata=OMIT_NONE)
+    gap_s_max: float | None = field(default=None, metadata=OMIT_NONE)
+    uncapped_ttl_s: float | None = field(default=None, metadata=OMIT_NONE)
+    memory_cap_ttl_s: float | None = None
+    """The largest TTL the HBM budget allows; None when the budget does not cap it (left out of
+    the JSON when there are no gaps)."""
+    retained_gb_at_ttl: float | None = field(default=None, metadata=OMIT_NONE)
+    captured_share: float = 0.0
+    captured_share_uncapped: float | None = field(default=None, metadata=OMIT_NONE)
+    router_decoder_ttl_s: int | None = None
+    router_margin_s: float | None = None
+    router_params_ttl_s: float | None = field(default=None, metadata=OMIT_NONE)
+
+    def as_dict(self) -> dict[str, Any]:
+        out = evidence_dict(self)
+        if self.n_gaps == 0:
+            out.pop("memory_cap_ttl_s", None)
+        return out
+
+
+@dataclass(frozen=True)
+class TtftMs:
+    """Expected TTFT of one mode, ms."""
+
+    p50: float
+    p99: float
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"p50": plain(self.p50), "p99": plain(self.p99)}
+
+
+@dataclass(frozen=True)
+class ModeEvidence:
+    """Why the transfer mode is what it is (``kvtune.recommend.mode``). ``expected_ttft_ms`` is
+    what the choice used (``model``); ``analytic_ttft_ms`` the analytic model's view, kept beside
+    it; ``sim_inputs`` every number the simulator played, with its source."""
+
+    model: str
+    excluded: Mapping[str, str]
+    expected_ttft_ms: Mapping[str, TtftMs] | None = field(default=None, metadata=OMIT_NONE)
+    analytic_ttft_ms: Mapping[str, TtftMs] | None = field(default=None, metadata=OMIT_NONE)
+    allowed: tuple[str, ...] | None = field(default=None, metadata=OMIT_NONE)
+    multi_turn_share: float | None = field(default=None, metadata=OMIT_NONE)
+    prompt_tokens_p50: float | None = field(default=None, metadata=OMIT_NONE)
+    qps: float | None = field(default=None, metadata=OMIT_NONE)
+    early_decode_ok: bool | None = field(default=None, metadata=OMIT_NONE)
+    prefill_utilisation_pull: float | None = field(default=None, metadata=OMIT_NONE)
+    reused_share_bidirectional: float | None = field(default=None, metadata=OMIT_NONE)
+    analytic_best: str | None = field(default=None, metadata=OMIT_NONE)
+    """The mode the analytic model alone would pick (same rule, same allowed modes)."""
+    simulated_best: str | None = field(default=None, metadata=OMIT_NONE)
+    """The mode the simulator alone would pick; None when it did not run."""
+    models_agree: bool | None = field(default=None, metadata=OMIT_NONE)
+    sim_inputs: tuple[SimInput, ...] | None = field(default=None, metadata=OMIT_NONE)
+
+    def as_dict(self) -> dict[str, Any]:
+        return evidence_dict(self)
+
+
+Evidence = ThresholdEvidence | TtlEvidence | ModeEvidence
