@@ -14,6 +14,7 @@ from kvtune.errors import ConfigError
 from kvtune.export import FILES, NEVER_THRESHOLD_TOKENS, write
 from kvtune.geometry import KvGeometry
 from kvtune.recommend import NEVER, Recommendation, Tuning
+from kvtune.recommend.evidence import ModeEvidence, ThresholdEvidence, TtftMs, TtlEvidence
 
 EXPECTED_FILES = [
     "prefill.kv-transfer-config.json", "decode.kv-transfer-config.json",

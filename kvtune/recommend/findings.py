@@ -154,8 +154,8 @@ def _stalls_outside_transfer(transfers: pd.DataFrame, spans: pd.DataFrame) -> Fi
 
     The pattern kvtune found on its own CPU pair: NIXL's UCX progress thread spins a whole core per
     agent (``pthrDelay = 0``) and vLLM's CPU worker process busy-polls its order queue, and where
-    each engine has about one core they starve the engine's own threads. The spans show it as time in the engines' queues and between phases, while READ/WRITE
-    and descriptor setup stay short."""
+    each engine has about one core they starve the engine's own threads. The spans show it as time
+    in the engines' queues and between phases, while READ/WRITE and descriptor setup stay short."""
     try:
         diag = stall_diagnosis(transfers, spans)
     except AnalysisError:

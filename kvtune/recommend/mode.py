@@ -140,7 +140,7 @@ def _disagreement(sim_best: str, analytic_best: str, sim: SimTtft, analytic: Sim
         f"the analytic model has no term for "
         + (named if named else "the decode loop, prefill batching and decode steps")
         + ". Values not measured from this trace come from the preset: the mode's range holds "
-        f"both modes; verify with kvtune verify before relying on it",
+        "both modes; verify with kvtune verify before relying on it",
         {"simulated_best": sim_best, "analytic_best": analytic_best,
          "simulated_p50_ms": {m: v[0] for m, v in sim.items()},
          "analytic_p50_ms": {m: v[0] for m, v in analytic.items()},
