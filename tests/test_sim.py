@@ -299,7 +299,7 @@ def test_transfers_table_from_simulated_spans(tmp_path):
     res = _sim_for_spans("push")
     res.write_spans(tmp_path / "s.jsonl")
     tr = analysis.transfers(traces.load(tmp_path / "s.jsonl")).set_index("request_id")
-    reqs = {r.idx: r for r in res._sim.requests}
+    reqs = {r.idx: r for r in res.timeline.requests}
     assert len(tr) == len(reqs)
     for idx, r in reqs.items():
         row = tr.loc[f"sim-{idx:08d}"]
