@@ -84,7 +84,7 @@ NOTEBOOKS: dict[str, list[tuple[str, str]]] = {
         ("code", RECOMMEND + 'prefill = analysis.prefill_cost(spans)\n'
                  'nb.publish("kv_recompute_threshold", tuning.threshold.value)\n'
                  'nb.publish("kv_recompute_threshold_range", list(tuning.threshold.range))\n'
-                 'tuning.threshold.evidence'),
+                 'tuning.threshold.as_dict()["evidence"]'),
         ("code", 'nb.show(plots.threshold_curve(tuning, prefill), "threshold")'),
     ],
     "block_ttl": [
@@ -94,10 +94,10 @@ NOTEBOOKS: dict[str, list[tuple[str, str]]] = {
         ("code", LOAD),
         ("code", RECOMMEND + 'wl = analysis.workload(spans)\n'
                  'nb.publish("decoder_kv_blocks_ttl", tuning.ttl.value)\n'
-                 'nb.publish("router_ttl_s", tuning.ttl.evidence.get("router_params_ttl_s"))\n'
-                 'tuning.ttl.evidence'),
+                 'nb.publish("router_ttl_s", tuning.ttl.evidence.router_params_ttl_s)\n'
+                 'tuning.ttl.as_dict()["evidence"]'),
         ("code", 'nb.show(plots.gap_histogram(wl.gaps_s, ttl_s=tuning.ttl.value,\n'
-                 '                            router_ttl_s=tuning.ttl.evidence.get("router_params_ttl_s")),\n'
+                 '                            router_ttl_s=tuning.ttl.evidence.router_params_ttl_s),\n'
                  '        "gaps")'),
         ("code", 'curve = figures.ttl_curve(tuning, wl)\n'
                  'nb.show(plots.ttl_curves(curve["ttls_s"], curve["captured"], curve["held_gb"],\n'
@@ -110,12 +110,12 @@ NOTEBOOKS: dict[str, list[tuple[str, str]]] = {
                      "and why the recommended mode wins."),
         ("code", LOAD),
         ("code", RECOMMEND + 'nb.publish("mode", tuning.mode.value)\n'
-                 'nb.publish("expected_ttft_ms", tuning.mode.evidence.get("expected_ttft_ms"))\n'
+                 'nb.publish("expected_ttft_ms", tuning.mode.evidence.as_dict().get("expected_ttft_ms"))\n'
                  'print("\\n".join(tuning.mode.assumptions))\n'
-                 'tuning.mode.evidence'),
-        ("code", 'nb.show(plots.mode_ttft(tuning.mode.evidence["expected_ttft_ms"],\n'
+                 'tuning.mode.as_dict()["evidence"]'),
+        ("code", 'nb.show(plots.mode_ttft(tuning.mode.evidence.as_dict()["expected_ttft_ms"],\n'
                  '                        chosen=tuning.mode.value,\n'
-                 '                        excluded=tuning.mode.evidence.get("excluded")), "ttft")'),
+                 '                        excluded=dict(tuning.mode.evidence.excluded)), "ttft")'),
     ],
     "stalls": [
         ("markdown", "# Stalls\nRequests and transfers that took over a second, next to fast ones: "
