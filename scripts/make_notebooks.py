@@ -1,4 +1,4 @@
-"""Write kvtune's notebooks (notebooks/*.ipynb) from the cell texts below.
+"""Write kvtune's notebooks (kvtune/notebooks/*.ipynb, package data) from the cell texts below.
 
 Run: .venv/bin/python scripts/make_notebooks.py   (a test checks the committed notebooks match)
 Each notebook: one cell tagged `parameters`, then calls into the library and figures.
@@ -175,7 +175,7 @@ def render(name: str) -> str:
 
 
 def main(argv: list[str]) -> int:
-    out = ROOT / "notebooks"
+    out = ROOT / "kvtune" / "notebooks"
     out.mkdir(exist_ok=True)
     for name in NOTEBOOKS:
         (out / f"{name}.ipynb").write_text(render(name))

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvtune.local.reference import standard_reference
 from kvtune.local.tiny_model import make_tiny_model
+from kvtune.testing.reference import standard_reference
 
 
 @pytest.fixture(scope="module")

@@ -14,8 +14,8 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from kvtune.analysis import synthetic
 from kvtune.errors import ConfigError
+from kvtune.testing import synthetic
 from kvtune.tune import lab
 from kvtune.tune.params import PARAMETERS
 

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from kvtune.analysis import synthetic
 from kvtune.export import PLACEHOLDER, model_name
 from kvtune.recommend.pipeline import recommend_source
+from kvtune.testing import synthetic
 from kvtune.traces import load
 from kvtune.tune import headline
 from kvtune.tune.findings import findings_html, sorted_findings

@@ -9,9 +9,7 @@ from typing import Any
 
 from kvtune.errors import KvtuneError
 from kvtune.nb import FIGURES_DIR_ENV, published_values
-
-NOTEBOOKS_DIR = Path(__file__).resolve().parents[2] / "notebooks"
-"""The notebooks shipped in the repository (`kvtune tune` runs them from here)."""
+from kvtune.notebooks import NOTEBOOKS_DIR  # the notebooks shipped in the package
 
 TUNE_NOTEBOOKS: tuple[str, ...] = ("fabric_floor", "recompute_threshold", "block_ttl",
                                    "mode_choice", "stalls", "tune")
