@@ -1,6 +1,6 @@
 """The router's added latency, as a ratio to calling the upstream directly, measured in one run.
 
-Upstream: stand-in vLLM servers (``kvtune.router.standin``; no model, answers at once), so what is
+Upstream: stand-in vLLM servers (``kvtune.testing.standin``; no model, answers at once), so what is
 measured is the router's own cost. For each request the baseline client does the P/D flow itself
 (prefill leg, then decode leg with the returned ``kv_transfer_params``) over kept-alive
 connections; the routed client sends one request to the router (a separate process,
@@ -23,7 +23,7 @@ from urllib.parse import urlsplit
 from tqdm import tqdm
 
 from kvtune.router import RouterProcess
-from kvtune.router.standin import StandInVllmCluster
+from kvtune.testing.standin import StandInVllmCluster
 
 WARMUP_REQUESTS = 20
 

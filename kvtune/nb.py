@@ -1,4 +1,5 @@
-"""Helpers that notebooks call: show a figure (and keep it for the report), publish a value.
+"""Helpers that notebooks call: show a figure (and keep it for the report), publish a value, get
+the tuning to draw (computed once by `kvtune tune`, or here).
 
 Notebooks hold parameters, calls and plots only; these helpers are the glue, nothing to test there.
 """
@@ -76,3 +77,20 @@ def geometry(model: str, tp_size: int = 1):
     if model.endswith(".json") or os.path.sep in model:
         return g.from_hf_config(model, tp_size)
     return g.preset(model, tp_size)
+
+
+def tuning(spans: Any, tuning_json: str = "", *, traces: str, model: str = "", tp_size: int = 1,
+           hbm_budget_gb: float, early_decode_ok: bool = True, seed: int = 0) -> Any:
+    """The `Tuning` a notebook draws: the one `kvtune tune` computed once and saved at
+    ``tuning_json`` (checked against these parameters), else computed here from ``spans`` (a
+    notebook run on its own: `kvtune lab`, papermill, a user's spans)."""
+    from kvtune.recommend.saved import read_tuning, tuning_inputs
+    inputs = tuning_inputs(traces=traces, model=model, tp_size=tp_size,
+                           hbm_budget_gb=hbm_budget_gb, early_decode_ok=early_decode_ok, seed=seed)
+    if tuning_json:
+        return read_tuning(tuning_json, expect=inputs)
+    from kvtune.recommend import Tuning, recommend
+    computed = recommend(spans, geometry=geometry(model, tp_size), hbm_budget_gb=hbm_budget_gb,
+                         early_decode_ok=early_decode_ok, seed=seed)
+    # The plain (JSON) form either way, so a notebook draws the same whether it read the file.
+    return Tuning.from_dict(computed.as_dict())

@@ -1,4 +1,4 @@
-"""Write kvtune's notebooks (notebooks/*.ipynb) from the cell texts below.
+"""Write kvtune's notebooks (kvtune/notebooks/*.ipynb, package data) from the cell texts below.
 
 Run: .venv/bin/python scripts/make_notebooks.py   (a test checks the committed notebooks match)
 Each notebook: one cell tagged `parameters`, then calls into the library and figures.
@@ -33,10 +33,12 @@ early_decode_ok = True
 # out_dir: where configs and recommendation.json go
 out_dir = "out/tune"
 seed = 0
+# tuning_json: the tuning `kvtune tune` computed once, to draw; empty: computed here
+tuning_json = ""
 '''
 
 LOAD = '''\
-from kvtune import analysis, nb, plots, recommend
+from kvtune import analysis, nb, plots
 from kvtune.tune import figures, findings
 
 spans = nb.load_spans(traces)
@@ -46,8 +48,8 @@ print(f"{len(spans)} spans, {len(tx)} transfers from {traces}")
 '''
 
 RECOMMEND = '''\
-tuning = recommend.recommend(spans, geometry=geometry, hbm_budget_gb=hbm_budget_gb,
-                             early_decode_ok=early_decode_ok, seed=seed)
+tuning = nb.tuning(spans, tuning_json, traces=traces, model=model, tp_size=tp_size,
+                   hbm_budget_gb=hbm_budget_gb, early_decode_ok=early_decode_ok, seed=seed)
 '''
 
 NOTEBOOKS: dict[str, list[tuple[str, str]]] = {
@@ -175,7 +177,7 @@ def render(name: str) -> str:
 
 
 def main(argv: list[str]) -> int:
-    out = ROOT / "notebooks"
+    out = ROOT / "kvtune" / "notebooks"
     out.mkdir(exist_ok=True)
     for name in NOTEBOOKS:
         (out / f"{name}.ipynb").write_text(render(name))

@@ -10,8 +10,8 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from kvtune.local.reference import standard_reference
 from kvtune.local.tiny_model import make_tiny_model
+from kvtune.testing.reference import standard_reference
 
 
 @pytest.fixture(scope="module")

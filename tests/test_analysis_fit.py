@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from kvtune.analysis import FloorFit, fit_floor, fit_floor_points, transfers
-from kvtune.analysis import synthetic as syn
 from kvtune.errors import AnalysisError
+from kvtune.testing import synthetic as syn
 
 TRUTH = syn.FabricTruth(floor_ms=2.0, bandwidth_gbps=40.0, per_descriptor_us=5.0,
                         noise_rel=0.02, noise_abs_ms=0.02, outlier_share=0.05, outlier_ms=25.0)

@@ -8,8 +8,8 @@ import pytest
 
 from kvtune import spans as sc
 from kvtune.analysis import PrefillCost, Workload, prefill_cost, workload
-from kvtune.analysis import synthetic as syn
 from kvtune.errors import AnalysisError
+from kvtune.testing import synthetic as syn
 
 S = 1_000_000_000
 T0 = syn.T0_NS

@@ -14,7 +14,6 @@ from opentelemetry.trace import NonRecordingSpan, SpanContext, Status, StatusCod
 
 from kvtune import spans as sc
 from kvtune import telemetry, traces
-from kvtune.analysis import synthetic
 from kvtune.dashboards import generator as gen
 from kvtune.dashboards.check import check_panels
 from kvtune.dashboards.evaluate import SEARCH_COLUMNS, evaluate
@@ -23,6 +22,7 @@ from kvtune.dashboards.traceql import parse
 from kvtune.errors import ConfigError
 from kvtune.sim import Dist, WorkloadSpec, simulate
 from kvtune.sim.presets import public_h200_qwen3_32b
+from kvtune.testing import synthetic
 
 ROOT = Path(__file__).resolve().parent.parent
 MS = 1_000_000

@@ -45,7 +45,7 @@ def test_cli_force_on_a_non_export_is_a_clear_error(tmp_path, capsys):
     """``kvtune recommend --force`` on a plain directory, through the real pipeline: an error line,
     no traceback, nothing deleted."""
     from kvtune import spans as sc
-    from kvtune.analysis import synthetic as syn
+    from kvtune.testing import synthetic as syn
 
     trace = tmp_path / "spans.jsonl"
     syn.write_otlp_json(syn.SyntheticCase(workload=syn.SyntheticWorkload(n_conversations=20)).spans(

@@ -13,8 +13,8 @@ import pytest
 
 from kvtune.local.metrics import wait_for_tokens
 from kvtune.local.pair import LocalPair
-from kvtune.local.reference import STANDARD_MAX_TOKENS, standard_conversations
 from kvtune.local.workload import PairTarget, WorkloadConfig, generate, run_workload
+from kvtune.testing.reference import STANDARD_MAX_TOKENS, standard_conversations
 
 pytestmark = pytest.mark.vllm
 

@@ -23,8 +23,8 @@ import pytest
 from kvtune.local import client
 from kvtune.local.errors import LocalPairError
 from kvtune.local.pair import LocalPair, _body
-from kvtune.local.reference import random_prompt
 from kvtune.local.tiny_model import make_tiny_model
+from kvtune.testing.reference import random_prompt
 
 pytestmark = pytest.mark.vllm
 

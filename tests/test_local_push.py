@@ -14,7 +14,7 @@ import pytest
 
 from kvtune.local.metrics import wait_for_tokens
 from kvtune.local.pair import LocalPair
-from kvtune.local.reference import STANDARD_MAX_TOKENS, standard_prompts
+from kvtune.testing.reference import STANDARD_MAX_TOKENS, standard_prompts
 
 pytestmark = pytest.mark.vllm
 

@@ -7,12 +7,12 @@ import pytest
 
 from kvtune import spans as sc
 from kvtune.analysis import FloorFit, PrefillCost, TracedRequest, Workload
-from kvtune.analysis import synthetic as syn
 from kvtune.errors import AnalysisError, ConfigError
 from kvtune.recommend import NEVER, Tuning, recommend
 from kvtune.recommend.mode import recommend_mode
 from kvtune.recommend.threshold import break_even_tokens, recommend_threshold
 from kvtune.recommend.ttl import recommend_ttl
+from kvtune.testing import synthetic as syn
 
 
 def _fit(floor_ms: float = 2.0, bw_gbps: float = 8.0, ci: float = 0.0) -> FloorFit:

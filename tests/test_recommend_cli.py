@@ -7,8 +7,8 @@ import os
 import pytest
 
 from kvtune import spans as sc
-from kvtune.analysis import synthetic as syn
 from kvtune.cli import main
+from kvtune.testing import synthetic as syn
 
 MODULES = (("analyze", "kvtune.analysis.cli"), ("recommend", "kvtune.recommend.cli"))
 

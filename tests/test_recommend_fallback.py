@@ -4,9 +4,9 @@ from __future__ import annotations
 import pytest
 
 from kvtune import spans as S
-from kvtune.analysis import synthetic
 from kvtune.errors import AnalysisError
 from kvtune.recommend import recommend
+from kvtune.testing import synthetic
 
 
 def _one_size_serving(df):

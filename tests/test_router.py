@@ -14,8 +14,9 @@ from kvtune import spans
 from kvtune.router import RouterInThread, RouterProcess
 from kvtune.router.client import get, post
 from kvtune.router.server import FAILED_INSTANCE_HEADER, FAILED_LEG_HEADER
-from kvtune.router.standin import StandInVllmCluster
 from _net import free_port
+
+from kvtune.testing.standin import StandInVllmCluster
 
 pytestmark = pytest.mark.timeout(180)
 

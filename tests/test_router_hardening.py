@@ -15,8 +15,8 @@ from kvtune.router import RouterInThread
 from kvtune.router.client import get, post
 from kvtune.router.parsing import MAX_JSON_DEPTH
 from kvtune.router.server import UPSTREAM_REQUEST_ID_HEADER
-from kvtune.router.standin import StandInVllmCluster
 from kvtune.router.state import MAX_CONVERSATION_ID_BYTES
+from kvtune.testing.standin import StandInVllmCluster
 
 pytestmark = pytest.mark.timeout(180)
 

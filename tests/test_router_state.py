@@ -150,7 +150,7 @@ def test_open_store_specs(tmp_path):
 def test_router_with_redis_state_carries_params_across_restart(redis_url, tmp_path):
     from kvtune.router import RouterProcess
     from kvtune.router.client import post
-    from kvtune.router.standin import StandInVllmCluster
+    from kvtune.testing.standin import StandInVllmCluster
     with StandInVllmCluster(1, 1, bidirectional=True) as cluster:
         config = cluster.router_config("bidirectional", state=redis_url)
         conv = f"redis-conv-{time.monotonic_ns()}"

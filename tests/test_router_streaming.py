@@ -10,7 +10,7 @@ from kvtune import spans
 from kvtune.router import RouterInThread
 from kvtune.router.client import get, parse_sse, post
 from kvtune.router.server import UPSTREAM_REQUEST_ID_HEADER
-from kvtune.router.standin import StandInVllmCluster
+from kvtune.testing.standin import StandInVllmCluster
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from tqdm import tqdm
@@ -101,6 +101,19 @@ class FloorFit:
             "r2": self.r2, "n_transfers": self.n_transfers, "n_sizes": self.n_sizes,
             "source": self.source, "n_outliers": self.n_outliers, "column": self.column,
         }
+
+    @classmethod
+    def from_dict(cls, d: dict) -> FloorFit:
+        """The inverse of :meth:`as_dict` (lists become tuples); a missing field raises KeyError."""
+        def pair(v: Any) -> tuple[float, float] | None:
+            return None if v is None else (v[0], v[1])
+
+        return cls(floor_ms=d["floor_ms"], bandwidth_gbps=d["bandwidth_gbps"],
+                   per_descriptor_us=d["per_descriptor_us"], floor_ci_ms=pair(d["floor_ci_ms"]),
+                   bandwidth_ci_gbps=pair(d["bandwidth_ci_gbps"]),
+                   per_descriptor_ci_us=pair(d["per_descriptor_ci_us"]), r2=d["r2"],
+                   n_transfers=d["n_transfers"], n_sizes=d["n_sizes"], source=d["source"],
+                   n_outliers=d["n_outliers"], column=d["column"])
 
 
 def _irls(x: np.ndarray, y: np.ndarray, beta: np.ndarray, floor_y: float, weight, *,

@@ -28,6 +28,12 @@ class Recommendation:
                 "unit": self.unit, "evidence": plain(self.evidence),
                 "assumptions": list(self.assumptions)}
 
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Recommendation:
+        """The inverse of :meth:`as_dict` (JSON's lists become tuples where the type has one)."""
+        return cls(d["name"], d["value"], tuple(d["range"]), d["unit"], dict(d["evidence"]),
+                   tuple(d["assumptions"]))
+
 
 @dataclass(frozen=True)
 class Finding:
@@ -41,6 +47,10 @@ class Finding:
     def as_dict(self) -> dict[str, Any]:
         return {"code": self.code, "severity": self.severity, "message": self.message,
                 "evidence": plain(self.evidence)}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Finding:
+        return cls(d["code"], d["severity"], d["message"], dict(d["evidence"]))
 
 
 @dataclass(frozen=True)
@@ -62,3 +72,13 @@ class Tuning:
                 "mode": self.mode.as_dict(), "findings": [f.as_dict() for f in self.findings],
                 "fit": plain(self.fit) if self.fit is not None else None,
                 "source": self.source, "span_count": self.span_count, "extra": plain(self.extra)}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Tuning:
+        """The inverse of :meth:`as_dict`: ``Tuning.from_dict(t.as_dict()).as_dict() ==
+        t.as_dict()``. A missing field raises KeyError (`kvtune.recommend.saved` names the file)."""
+        return cls(Recommendation.from_dict(d["threshold"]), Recommendation.from_dict(d["ttl"]),
+                   Recommendation.from_dict(d["mode"]),
+                   tuple(Finding.from_dict(f) for f in d["findings"]),
+                   FloorFit.from_dict(d["fit"]) if d["fit"] is not None else None,
+                   d["source"], d["span_count"], dict(d["extra"]))

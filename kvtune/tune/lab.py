@@ -59,6 +59,8 @@ def prepare(traces: str | None = None, out_dir: str | os.PathLike[str] = DEFAULT
     elif "://" not in str(merged["traces"]):
         merged["traces"] = ",".join(str(Path(p).resolve()) if Path(p).exists() else p
                                     for p in str(merged["traces"]).split(","))
+    if merged.get("tuning_json"):  # the kernel's working directory is the workspace
+        merged["tuning_json"] = str(Path(merged["tuning_json"]).resolve())
     merged.setdefault("out_dir", str(root))
     checked = P.validate(merged)
     paths = [notebook_path(n, notebooks_dir) for n in notebooks]  # unknown names fail here

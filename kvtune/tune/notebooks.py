@@ -9,13 +9,13 @@ from typing import Any
 
 from kvtune.errors import KvtuneError
 from kvtune.nb import FIGURES_DIR_ENV, published_values
-
-NOTEBOOKS_DIR = Path(__file__).resolve().parents[2] / "notebooks"
-"""The notebooks shipped in the repository (`kvtune tune` runs them from here)."""
+from kvtune.notebooks import NOTEBOOKS_DIR  # the notebooks shipped in the package
 
 TUNE_NOTEBOOKS: tuple[str, ...] = ("fabric_floor", "recompute_threshold", "block_ttl",
                                    "mode_choice", "stalls", "tune")
 """The notebooks `kvtune tune` runs, in order; `tune` exports the configs."""
+TUNING_CALL = "nb.tuning("
+"""How a notebook asks for the tuning (`kvtune.nb.tuning`)."""
 
 
 class NotebookFailed(KvtuneError):
@@ -42,6 +42,14 @@ def notebook_path(name: str, notebooks_dir: Path = NOTEBOOKS_DIR) -> Path:
     if not path.exists():
         raise KvtuneError(f"no notebook {name!r} at {path}")
     return path
+
+
+def draws_tuning(path: Path) -> bool:
+    """Whether the notebook at ``path`` draws a tuning (calls `kvtune.nb.tuning`), so that
+    `kvtune tune` computes one for it."""
+    import nbformat
+    nb = nbformat.read(str(path), as_version=4)
+    return any(c.cell_type == "code" and TUNING_CALL in c.source for c in nb.cells)
 
 
 def run_notebook(name: str, out_dir: Path, parameters: dict[str, Any], *,

@@ -33,6 +33,8 @@ PARAMETERS: tuple[Param, ...] = (
     Param("early_decode_ok", bool, True, "may the router choose the decode instance up front (push)?"),
     Param("out_dir", str, "out/tune", "where configs and recommendation.json are written"),
     Param("seed", int, 0, "seed for bootstrap intervals and simulation"),
+    Param("tuning_json", str, "", "the tuning `kvtune tune` computed once (its tuning.json) for "
+                                  "the notebooks to draw; empty = each notebook computes it"),
 )
 BY_NAME = {p.name: p for p in PARAMETERS}
 TRACE_SCHEMES = ("tempo+http://", "tempo+https://")
@@ -83,6 +85,9 @@ def validate(params: dict[str, Any]) -> dict[str, Any]:
             continue
         out[name] = coerce(name, value)
     check_source(out["traces"])
+    if out["tuning_json"] and not os.path.isfile(out["tuning_json"]):
+        raise ConfigError(f"parameter 'tuning_json': no such file: {out['tuning_json']!r} "
+                          f"(a tuning.json written by `kvtune tune`, or empty)")
     for name in ("tp_size",):
         if out[name] < 1:
             raise ConfigError(f"parameter {name!r}: expected >= 1, got {out[name]!r}")

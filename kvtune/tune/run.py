@@ -9,12 +9,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvtune import nb
+from kvtune.errors import KvtuneError
+from kvtune.recommend.saved import INPUT_NAMES, tuning_inputs, write_tuning
 from kvtune.tune import params as P
 from kvtune.tune.headline import VERIFY_KEY
-from kvtune.tune.notebooks import NOTEBOOKS_DIR, TUNE_NOTEBOOKS, run_notebook
+from kvtune.tune.notebooks import (NOTEBOOKS_DIR, TUNE_NOTEBOOKS, draws_tuning, notebook_path,
+                                   run_notebook)
 from kvtune.tune.report import write_report
 
 log = logging.getLogger(__name__)
+
+TUNING_FILE = "tuning.json"
+"""Under the output directory: the tuning computed once, which every notebook draws."""
 
 
 @dataclass(frozen=True)
@@ -32,10 +39,14 @@ class TuneResult:
 def run_tune(traces: str | None = None, out_dir: str | Path = "out/tune", *,
              parameters: dict[str, Any] | None = None,
              notebooks: Sequence[str] = TUNE_NOTEBOOKS, notebooks_dir: Path = NOTEBOOKS_DIR,
-             default_source: dict[str, Any] | None = None, progress: bool = True) -> TuneResult:
+             default_source: dict[str, Any] | None = None, progress: bool = True,
+             share_tuning: bool = True) -> TuneResult:
     """Run the tuning end to end.
 
     Without ``traces`` kvtune makes its own spans on this machine first (see `kvtune.tune.sources`).
+    The tuning (``recommend()``: the simulator and the bootstrap intervals) is computed once, saved
+    as ``tuning.json`` and handed to the notebooks, which draw it; ``share_tuning=False`` lets
+    each notebook compute it itself (the old way, kept for ``bench/notebook_stage.py``).
     A bad parameter raises `ConfigError` before anything runs; a failing cell raises `NotebookFailed`
     naming the notebook and cell, with the executed notebook left behind."""
     from tqdm import tqdm
@@ -60,6 +71,9 @@ def run_tune(traces: str | None = None, out_dir: str | Path = "out/tune", *,
             checked["model_name"] = made.model
     else:
         source_desc = checked["traces"]
+    if share_tuning and not checked["tuning_json"]:
+        checked["tuning_json"] = _shared_tuning(checked, out / TUNING_FILE, notebooks,
+                                                notebooks_dir)
     figures = out / "figures"
     runs = {}
     values: dict[str, Any] = {}
@@ -84,3 +98,22 @@ def run_tune(traces: str | None = None, out_dir: str | Path = "out/tune", *,
                           configs_dir=rec.parent)
     return TuneResult(out, report, rec, runs, source_desc, source_kind, values,
                       time.monotonic() - t0)
+
+
+def _shared_tuning(params: dict[str, Any], path: Path, notebooks: Sequence[str],
+                   notebooks_dir: Path) -> str:
+    """Compute the tuning once and save it at ``path`` for the notebooks; returns the path, or ""
+    when no notebook draws one, or when it cannot be computed: then the first notebook that needs
+    it computes it itself and fails there, naming its cell."""
+    if not any(draws_tuning(notebook_path(n, notebooks_dir)) for n in notebooks):
+        return ""
+    inputs = tuning_inputs(**{n: params[n] for n in INPUT_NAMES})
+    try:
+        spans = nb.load_spans(params["traces"])
+        tuning = nb.tuning(spans, "", **{n: params[n] for n in INPUT_NAMES})
+    except KvtuneError as exc:
+        log.warning("the tuning could not be computed once for all notebooks (%s); each notebook "
+                    "computes it", exc)
+        path.unlink(missing_ok=True)  # an earlier run's would be read by no one: remove it
+        return ""
+    return str(write_tuning(tuning, path, inputs))
