@@ -96,10 +96,10 @@ NOTEBOOKS: dict[str, list[tuple[str, str]]] = {
         ("code", LOAD),
         ("code", RECOMMEND + 'wl = analysis.workload(spans)\n'
                  'nb.publish("decoder_kv_blocks_ttl", tuning.ttl.value)\n'
-                 'nb.publish("router_ttl_s", tuning.ttl.evidence.router_params_ttl_s)\n'
+                 'nb.publish("router_ttl_s", tuning.ttl.as_dict()["evidence"]["router_params_ttl_s"])\n'
                  'tuning.ttl.as_dict()["evidence"]'),
         ("code", 'nb.show(plots.gap_histogram(wl.gaps_s, ttl_s=tuning.ttl.value,\n'
-                 '                            router_ttl_s=tuning.ttl.evidence.router_params_ttl_s),\n'
+                 '                            router_ttl_s=tuning.ttl.as_dict()["evidence"]["router_params_ttl_s"]),\n'
                  '        "gaps")'),
         ("code", 'curve = figures.ttl_curve(tuning, wl)\n'
                  'nb.show(plots.ttl_curves(curve["ttls_s"], curve["captured"], curve["held_gb"],\n'
@@ -112,12 +112,12 @@ NOTEBOOKS: dict[str, list[tuple[str, str]]] = {
                      "and why the recommended mode wins."),
         ("code", LOAD),
         ("code", RECOMMEND + 'nb.publish("mode", tuning.mode.value)\n'
-                 'nb.publish("expected_ttft_ms", tuning.mode.evidence.as_dict().get("expected_ttft_ms"))\n'
+                 'nb.publish("expected_ttft_ms", tuning.mode.as_dict()["evidence"].get("expected_ttft_ms"))\n'
                  'print("\\n".join(tuning.mode.assumptions))\n'
                  'tuning.mode.as_dict()["evidence"]'),
-        ("code", 'nb.show(plots.mode_ttft(tuning.mode.evidence.as_dict()["expected_ttft_ms"],\n'
+        ("code", 'nb.show(plots.mode_ttft(tuning.mode.as_dict()["evidence"]["expected_ttft_ms"],\n'
                  '                        chosen=tuning.mode.value,\n'
-                 '                        excluded=dict(tuning.mode.evidence.excluded)), "ttft")'),
+                 '                        excluded=tuning.mode.as_dict()["evidence"].get("excluded")), "ttft")'),
     ],
     "stalls": [
         ("markdown", "# Stalls\nRequests and transfers that took over a second, next to fast ones: "
