@@ -45,7 +45,7 @@ def tracer(exporter: InMemorySpanExporter):
 @pytest.fixture(scope="session")
 def spans_file(tmp_path_factory) -> Path:
     """A bidirectional synthetic workload's spans as OTLP JSON lines, written once per session."""
-    from kvtune.analysis import synthetic
+    from kvtune.testing import synthetic
     path = tmp_path_factory.mktemp("spans") / "spans.jsonl"
     synthetic.write_otlp_json(synthetic.SyntheticCase().spans(mode="bidirectional"), path)
     return path

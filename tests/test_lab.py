@@ -14,7 +14,6 @@ import nbformat
 import pytest
 
 from kvtune.errors import ConfigError
-from kvtune.testing import synthetic
 from kvtune.tune import lab
 from kvtune.tune.params import PARAMETERS
 from _net import free_port

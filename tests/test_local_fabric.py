@@ -11,7 +11,7 @@ import pytest
 
 from kvtune.local.fabric import FabricError, FabricSpec, ShapedLink, parse_fabric
 from kvtune.local.pair import LocalPair
-from kvtune.local.reference import STANDARD_MAX_TOKENS, standard_prompts
+from kvtune.testing.reference import STANDARD_MAX_TOKENS, standard_prompts
 
 
 @pytest.mark.parametrize("spec, rate", [("loopback", None), ("LOOPBACK", None),

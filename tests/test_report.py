@@ -16,7 +16,6 @@ import pytest
 
 from kvtune.export import PLACEHOLDER, model_name
 from kvtune.recommend.pipeline import recommend_source
-from kvtune.testing import synthetic
 from kvtune.traces import load
 from kvtune.tune import headline
 from kvtune.tune.findings import findings_html, sorted_findings

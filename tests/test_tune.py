@@ -11,7 +11,6 @@ import nbformat
 import pytest
 
 from kvtune.errors import ConfigError
-from kvtune.testing import synthetic
 from kvtune.tune import params as P
 from kvtune.tune.notebooks import NOTEBOOKS_DIR, TUNE_NOTEBOOKS, NotebookFailed
 from kvtune.tune.run import run_tune

@@ -47,8 +47,9 @@ def _drawings(tuning, spans, out: Path) -> dict[str, str]:
     got = {
         "threshold": plots.threshold_curve(tuning, prefill).to_json(),
         "ttl": json.dumps(curve, sort_keys=True, default=str),
-        "mode": plots.mode_ttft(tuning.mode.evidence["expected_ttft_ms"], chosen=tuning.mode.value,
-                                excluded=tuning.mode.evidence.get("excluded")).to_json(),
+        "mode": plots.mode_ttft(tuning.mode.as_dict()["evidence"]["expected_ttft_ms"],
+                                chosen=tuning.mode.value,
+                                excluded=tuning.mode.as_dict()["evidence"].get("excluded")).to_json(),
         "findings": FindingsView.of(tuning)._repr_html_(),
     }
     for f in sorted(configs.iterdir()):

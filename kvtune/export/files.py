@@ -31,7 +31,7 @@ from kvtune import __version__
 from kvtune import spans as sc
 from kvtune.errors import ConfigError
 from kvtune.export.model import PLACEHOLDER, ModelName
-from kvtune.recommend.evidence import ModeEvidence, ThresholdEvidence, TtlEvidence
+from kvtune.recommend.evidence import JsonEvidence, ModeEvidence, ThresholdEvidence, TtlEvidence
 from kvtune.recommend.results import NEVER, Tuning
 from kvtune.recommend.ttl import router_margin_s
 
@@ -162,7 +162,7 @@ def _report(tuning: Tuning, model: ModelName, files: dict[str, str]) -> str:
                   f"{fit.bandwidth_ci_gbps[1]:.3g}]{desc}.", ""]
     why = []
     te = t.evidence
-    if (isinstance(te, ThresholdEvidence) and te.break_even_tokens is not None
+    if (isinstance(te, (ThresholdEvidence, JsonEvidence)) and te.break_even_tokens is not None
             and te.pull_ms_at_break_even is not None):
         why.append(f"- threshold: pulling {te.break_even_tokens:.0f} tokens back costs "
                    f"{te.pull_ms_at_break_even:.3g} ms, as much as recomputing them; longer "
@@ -171,7 +171,7 @@ def _report(tuning: Tuning, model: ModelName, files: dict[str, str]) -> str:
         why.append("- threshold: pulling history back never costs less than recomputing it on "
                    "this traffic.")
     ev = ttl.evidence
-    if isinstance(ev, TtlEvidence) and ev.retained_gb_at_ttl is not None:
+    if isinstance(ev, (TtlEvidence, JsonEvidence)) and ev.retained_gb_at_ttl is not None:
         gap50 = ev.gap_s_p50 if ev.gap_s_p50 is not None else float("nan")
         gap90 = ev.gap_s_p90 if ev.gap_s_p90 is not None else float("nan")
         why.append(f"- TTL: captures {ev.captured_share:.0%} of reusable next-turn history "
@@ -185,12 +185,12 @@ def _report(tuning: Tuning, model: ModelName, files: dict[str, str]) -> str:
         lines += [f"In {m.value} mode bidirectional KV transfer is off: the threshold and TTL only "
                   f"act with it, and are written for reference.", ""]
     me = m.evidence
-    if isinstance(me, ModeEvidence) and me.expected_ttft_ms:
+    if isinstance(me, (ModeEvidence, JsonEvidence)) and me.expected_ttft_ms:
         lines += [f"Expected TTFT ({me.model} model):", ""]
         lines += [f"- {mode}: p50 {v.p50:.1f} ms, p99 {v.p99:.1f} ms"
                   for mode, v in me.expected_ttft_ms.items()]
         lines.append("")
-    if isinstance(me, ModeEvidence) and me.sim_inputs:
+    if isinstance(me, (ModeEvidence, JsonEvidence)) and me.sim_inputs:
         lines += ["Simulator inputs (value: source):", ""]
         lines += [f"- `{i.name}` = {i.value}: {i.source}" for i in me.sim_inputs]
         lines.append("")

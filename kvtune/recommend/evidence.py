@@ -151,3 +151,49 @@ class ModeEvidence:
 
 
 Evidence = ThresholdEvidence | TtlEvidence | ModeEvidence
+
+
+class JsonEvidence(Mapping):
+    """Evidence read back from JSON (a saved tuning, ``kvtune.recommend.saved``): the same keys as
+    the dataclass's JSON, readable by attribute too (``ev.router_params_ttl_s``, nested
+    ``ev.expected_ttft_ms["pull"].p50``), so code written for the typed evidence draws a saved
+    tuning unchanged. ``as_dict()`` gives the JSON back."""
+
+    __slots__ = ("_d",)
+
+    def __init__(self, d: Mapping[str, Any]) -> None:
+        object.__setattr__(self, "_d", dict(d))
+
+    @staticmethod
+    def wrap(value: Any) -> Any:
+        if isinstance(value, Mapping):
+            return JsonEvidence(value)
+        if isinstance(value, list):
+            return tuple(JsonEvidence.wrap(v) for v in value)
+        return value
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return JsonEvidence.wrap(self._d[name])
+        except KeyError:
+            if name.startswith("__"):
+                raise AttributeError(name) from None
+            return None  # an omit_none field that was None
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError("JsonEvidence is read-only")
+
+    def __getitem__(self, key: str) -> Any:
+        return JsonEvidence.wrap(self._d[key])
+
+    def __iter__(self):
+        return iter(self._d)
+
+    def __len__(self) -> int:
+        return len(self._d)
+
+    def as_dict(self) -> dict[str, Any]:
+        return plain(self._d)
+
+    def __repr__(self) -> str:
+        return f"JsonEvidence({self._d!r})"

@@ -5,7 +5,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from kvtune.analysis.fit import FloorFit
-from kvtune.recommend.evidence import Evidence, plain
+from kvtune.recommend.evidence import Evidence, JsonEvidence, plain
 
 NEVER: str = "never"
 """Threshold value when pulling remote KV never beats recomputing it on this traffic."""
@@ -31,8 +31,8 @@ class Recommendation:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Recommendation:
         """The inverse of :meth:`as_dict` (JSON's lists become tuples where the type has one)."""
-        return cls(d["name"], d["value"], tuple(d["range"]), d["unit"], dict(d["evidence"]),
-                   tuple(d["assumptions"]))
+        return cls(d["name"], d["value"], tuple(d["range"]), d["unit"],
+                   JsonEvidence(d["evidence"]), tuple(d["assumptions"]))
 
 
 @dataclass(frozen=True)
