@@ -28,7 +28,7 @@ from kvtune.analysis.fit import FloorFit
 from kvtune.analysis.prefill import PrefillCost
 from kvtune.analysis.workload import Workload
 from kvtune.recommend.results import NEVER, Finding, Recommendation
-from kvtune.recommend.ttl import router_margin_s
+from kvtune.vllm_pd import router_margin_s
 
 logger = logging.getLogger(__name__)
 

@@ -13,8 +13,9 @@ import math
 from kvtune.analysis.fit import FloorFit
 from kvtune.analysis.prefill import PrefillCost
 from kvtune.recommend.results import NEVER, Finding, Recommendation
+from kvtune.vllm_pd import KV_RECOMPUTE_THRESHOLD
 
-NAME = "kv_recompute_threshold"
+NAME = KV_RECOMPUTE_THRESHOLD
 UNIT = "tokens"
 
 

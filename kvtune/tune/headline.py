@@ -13,9 +13,10 @@ from pathlib import Path
 from typing import Any
 
 from kvtune.tune.numbers import fmt_num, fmt_share, fmt_value
+from kvtune.vllm_pd import DECODER_KV_BLOCKS_TTL, KV_RECOMPUTE_THRESHOLD
 
-THRESHOLD = "kv_recompute_threshold"
-TTL = "decoder_kv_blocks_ttl"
+THRESHOLD = KV_RECOMPUTE_THRESHOLD
+TTL = DECODER_KV_BLOCKS_TTL
 MODE = "mode"
 NEVER = "never"
 """The threshold's value when pulling history never pays (kvtune.recommend.results.NEVER)."""
