@@ -16,8 +16,6 @@ upstream), the W3C ``traceparent`` header, and the same traceparent inside
 - **push**: prefill and decode chosen up front and both legs started together; the decode gets
   ``do_remote_prefill: true`` with the prefill named up front (from its config: engine id, NIXL
   side channel, TP/PP sizes) and the shared request id.
-
-The parameters of each leg are built by :mod:`kvtune.vllm_pd` (the protocol's one home).
 - **bidirectional**: pull, plus the ``kv_transfer_params`` the decode returns at the end of each turn
   are stored per conversation and sent as the next turn's prefill ``kv_transfer_params`` (the prefill
   then pulls the conversation's history back from the decode). Params are handed out once (even
@@ -29,6 +27,8 @@ The parameters of each leg are built by :mod:`kvtune.vllm_pd` (the protocol's on
   ``kv.router.stream_params_absent``) and counts such turns in ``/health``.
   A failing conversation store never fails the request: the turn is served without history and a
   ``kv.router.state_error`` span event says why.
+
+The parameters of each leg are built by :mod:`kvtune.vllm_pd` (the protocol's one home).
 
 The conversation id comes from the body field ``conversation_id`` (removed before forwarding) or
 the header ``spans.CONVERSATION_HEADER``. Bad input (not JSON, too deep, a conversation id that is
@@ -131,7 +131,8 @@ class LegRecord:
     instance: str
     """The instance's URL."""
     elapsed_ms: float
-    """Leg sent -> complete answer (a streamed decode: -> end of its stream)."""
+    """Leg sent -> complete answer (a streamed decode: -> its ``data: [DONE]``, else the end of
+    its stream)."""
     sent_kv_transfer_params: dict[str, Any] | None
     """The ``kv_transfer_params`` the leg was sent."""
     answer: dict[str, Any] | None
