@@ -18,8 +18,8 @@ from kvtune.router.parsing import (CONVERSATION_FIELD, MAX_CLIENT_REQUEST_ID_CHA
                                    REQUEST_ID_HEADER, RequestRejected, json_depth_exceeds,
                                    parse_request)
 from kvtune.router.state import (MAX_CONVERSATION_ID_BYTES, InvalidConversationId,
-from kvtune.vllm_pd import REMOTE_BLOCK_IDS
                                  RedisConversationStore, SqliteConversationStore)
+from kvtune.vllm_pd import REMOTE_BLOCK_IDS
 
 pytestmark = pytest.mark.timeout(600)
 

@@ -10,10 +10,10 @@ import pytest
 
 from kvtune.errors import RouterError
 from kvtune.router.state import (ConversationStore, RedisConversationStore, SqliteConversationStore,
+                                 open_store)
 from kvtune.vllm_pd import (
     DO_REMOTE_DECODE, REMOTE_BLOCK_IDS, REMOTE_ENGINE_ID, REMOTE_NUM_TOKENS, REMOTE_REQUEST_ID,
 )
-                                 open_store)
 
 pytestmark = pytest.mark.timeout(60)
 
