@@ -220,7 +220,7 @@ def test_pull_then_bidirectional_reuse_through_vllms_schedulers():
     assert delay and answer[pd.DO_REMOTE_PREFILL] is True and not answer[pd.DO_REMOTE_DECODE]
     assert answer[pd.REMOTE_ENGINE_ID] == PREFILL_ENGINE
     assert answer[pd.REMOTE_REQUEST_ID] == p_req.request_id
-    assert answer[pd.REMOTE_BLOCK_IDS] == [[1, 2, 3]]
+    assert pd.holds_blocks(answer)
 
     # Turn 1, decode leg: given the answer, vLLM's consumer loads the prompt's KV remotely.
     d_req = _request("cmpl-t1-0-00000002", 40, pd.with_context(
