@@ -28,6 +28,7 @@ from typing import Any
 
 from tqdm import tqdm
 
+from kvtune import vllm_pd
 from kvtune.local.pair import LocalPair
 
 CONNECTORS = ("vllm", "kvtune")
@@ -115,8 +116,8 @@ def micro(steps: int = 20000, requests: int = 2000, blocks: int = 10) -> None:
         def run() -> None:
             counter[0] += 1
             req = Request(f"cmpl-bench{counter[0]}-0-0a1b2c3d", list(range(256)),
-                          SamplingParams(max_tokens=1,
-                                         extra_args={"kv_transfer_params": {"do_remote_decode": True}}),
+                          SamplingParams(max_tokens=1, extra_args={
+                              vllm_pd.KV_TRANSFER_PARAMS: vllm_pd.prefill_leg_params()}),
                           None)
             s.get_num_new_matched_tokens(req, 0)
             s.update_state_after_alloc(req, None, 0)

@@ -22,6 +22,7 @@ from urllib.parse import urlsplit
 
 from tqdm import tqdm
 
+from kvtune import vllm_pd
 from kvtune.router import RouterProcess
 from kvtune.testing.standin import StandInVllmCluster
 
@@ -67,11 +68,13 @@ def main(argv: list[str] | None = None) -> int:
 
             def direct(i: int) -> None:
                 rid = {"X-Request-Id": f"direct-{i}"}
-                p = prefill.post("/v1/completions", {**_body(i, None), "max_tokens": 1,
-                                                     "kv_transfer_params": {"do_remote_decode": True}},
-                                 rid)
-                decode.post("/v1/completions", {**_body(i, None),
-                                                "kv_transfer_params": p["kv_transfer_params"]}, rid)
+                p = prefill.post("/v1/completions", {
+                    **_body(i, None), "max_tokens": 1,
+                    vllm_pd.KV_TRANSFER_PARAMS: vllm_pd.prefill_leg_params()}, rid)
+                decode.post("/v1/completions", {
+                    **_body(i, None),
+                    vllm_pd.KV_TRANSFER_PARAMS: vllm_pd.pull_decode_leg_params(
+                        p[vllm_pd.KV_TRANSFER_PARAMS])}, rid)
 
             def via_router(i: int) -> None:
                 routed.post("/v1/completions", _body(i, conv))

@@ -48,6 +48,10 @@ from kvtune.connectors.connector import (  # noqa: E402
 from kvtune.connectors.observer import Emitter  # noqa: E402
 from kvtune.connectors.scheduler import KvtunePullScheduler, KvtunePushScheduler  # noqa: E402
 from kvtune.errors import ConnectorError  # noqa: E402
+from kvtune.vllm_pd import (  # noqa: E402
+    DO_REMOTE_DECODE, DO_REMOTE_PREFILL, REMOTE_BLOCK_IDS, REMOTE_ENGINE_ID, REMOTE_HOST,
+    REMOTE_NUM_TOKENS, REMOTE_PORT, REMOTE_REQUEST_ID,
+)
 
 BLOCK = 128
 THRESHOLD = 64
@@ -77,7 +81,7 @@ def test_queue_span_from_arrival_to_first_look_once_per_request(
     conn = _scheduler(exporter, "kv_producer")
     req = Request("cmpl-q-0-33333333", list(range(1, 41)),
                   SamplingParams(max_tokens=1, extra_args={"kv_transfer_params":
-                                                           {"do_remote_decode": True}}),
+                                                           {DO_REMOTE_DECODE: True}}),
                   None, arrival_time=time.time() - 2.5)
     conn.get_num_new_matched_tokens(req, 0)
     conn.get_num_new_matched_tokens(req, 0)  # the scheduler looks again: still one span
@@ -118,9 +122,9 @@ def _only(exporter: InMemorySpanExporter, name: spans.SpanName) -> Any:
 
 def _history(remote_tokens: int) -> dict[str, Any]:
     """What a decode returns for a conversation's next turn (bidirectional)."""
-    return {"do_remote_decode": True, "remote_block_ids": ([7, 8],), "remote_engine_id": "eng-d",
-            "remote_request_id": "cmpl-turn1-0-1a2b3c4d", "remote_host": "127.0.0.1",
-            "remote_port": 5601, "remote_num_tokens": remote_tokens,
+    return {DO_REMOTE_DECODE: True, REMOTE_BLOCK_IDS: ([7, 8],), REMOTE_ENGINE_ID: "eng-d",
+            REMOTE_REQUEST_ID: "cmpl-turn1-0-1a2b3c4d", REMOTE_HOST: "127.0.0.1",
+            REMOTE_PORT: 5601, REMOTE_NUM_TOKENS: remote_tokens,
             spans.KV_PARAMS_CONVERSATION_ID: "conv-7", spans.KV_PARAMS_TURN: 2}
 
 
@@ -150,7 +154,7 @@ def test_reuse_decisions_made_on_the_prefill(exporter: InMemorySpanExporter, rem
 def test_first_turn_and_pull_decisions(exporter: InMemorySpanExporter) -> None:
     conn = _scheduler(exporter, "kv_producer", bidirectional_kv_xfer=True,
                       kv_recompute_threshold=THRESHOLD)
-    first = _request("cmpl-new-0-11111111", 50, {"do_remote_decode": True})
+    first = _request("cmpl-new-0-11111111", 50, {DO_REMOTE_DECODE: True})
     assert conn.get_num_new_matched_tokens(first, 0) == (0, False)
     assert _only(exporter, spans.SpanName.REUSE_DECISION).attributes[spans.REUSE_OUTCOME] == \
         spans.ReuseOutcome.NONE.value
@@ -174,13 +178,13 @@ def test_prefill_span_counts_tokens_and_uses_the_request_trace(
         exporter: InMemorySpanExporter) -> None:
     conn = _scheduler(exporter, "kv_producer")
     tp = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
-    req = _request("cmpl-p1-0-33333333", 200, {"do_remote_decode": True,
+    req = _request("cmpl-p1-0-33333333", 200, {DO_REMOTE_DECODE: True,
                                                spans.KV_PARAMS_TRACEPARENT: tp})
     conn.get_num_new_matched_tokens(req, 128)  # 128 tokens from the local prefix cache
     conn.update_state_after_alloc(req, _blocks(5), 0)
     req.status = RequestStatus.FINISHED_LENGTH_CAPPED
     delay, out = conn.request_finished(req, [5, 6])
-    assert delay and out["remote_request_id"] == req.request_id  # vLLM's own answer
+    assert delay and out[REMOTE_REQUEST_ID] == req.request_id  # vLLM's own answer
     assert spans.KV_PARAMS_RETAINED_TRACEPARENT not in out  # nothing added on the prefill
     span = _only(exporter, spans.SpanName.PREFILL)
     a = span.attributes
@@ -193,7 +197,7 @@ def test_prefill_span_counts_tokens_and_uses_the_request_trace(
 
 def test_aborted_prefill_is_an_error_span(exporter: InMemorySpanExporter) -> None:
     conn = _scheduler(exporter, "kv_producer")
-    req = _request("cmpl-ab-0-44444444", 10, {"do_remote_decode": True})
+    req = _request("cmpl-ab-0-44444444", 10, {DO_REMOTE_DECODE: True})
     conn.get_num_new_matched_tokens(req, 0)
     conn.update_state_after_alloc(req, _blocks(1), 0)
     req.status = RequestStatus.FINISHED_ABORTED
@@ -204,9 +208,9 @@ def test_aborted_prefill_is_an_error_span(exporter: InMemorySpanExporter) -> Non
 def test_decode_retains_blocks_and_starts_decoding(exporter: InMemorySpanExporter) -> None:
     conn = _scheduler(exporter, "kv_consumer", bidirectional_kv_xfer=True,
                       decoder_kv_blocks_ttl=TTL_S)
-    params = {"do_remote_prefill": True, "remote_block_ids": ([9],), "remote_engine_id": "eng-p",
-              "remote_request_id": "cmpl-d1-0-55555555", "remote_host": "127.0.0.1",
-              "remote_port": 5600, "remote_num_tokens": 100, spans.KV_PARAMS_CONVERSATION_ID: "c9"}
+    params = {DO_REMOTE_PREFILL: True, REMOTE_BLOCK_IDS: ([9],), REMOTE_ENGINE_ID: "eng-p",
+              REMOTE_REQUEST_ID: "cmpl-d1-0-55555555", REMOTE_HOST: "127.0.0.1",
+              REMOTE_PORT: 5600, REMOTE_NUM_TOKENS: 100, spans.KV_PARAMS_CONVERSATION_ID: "c9"}
     req = _request("cmpl-d1-0-66666666", 100, params)
     assert conn.get_num_new_matched_tokens(req, 0) == (100, True)
     conn.update_state_after_alloc(req, _blocks(2), 100)
@@ -221,7 +225,7 @@ def test_decode_retains_blocks_and_starts_decoding(exporter: InMemorySpanExporte
 
     req.status = RequestStatus.FINISHED_LENGTH_CAPPED
     delay, ret = conn.request_finished(req, [2, 3])
-    assert delay and ret["do_remote_decode"] is True  # vLLM retains for the next turn
+    assert delay and ret[DO_REMOTE_DECODE] is True  # vLLM retains for the next turn
     assert parse_traceparent(ret[spans.KV_PARAMS_RETAINED_TRACEPARENT]).trace_id == \
         derived_span_context("d1").trace_id
     assert ret[spans.KV_PARAMS_CONVERSATION_ID] == "c9"
@@ -275,7 +279,7 @@ def test_spans_name_the_vllm_and_nixl_releases_they_ran_on(
     assert sched._kvt.telemetry is not None
     req = Request("cmpl-ver-0-44444444", list(range(1, 9)),
                   SamplingParams(max_tokens=1, extra_args={"kv_transfer_params":
-                                                           {"do_remote_decode": True}}),
+                                                           {DO_REMOTE_DECODE: True}}),
                   None, arrival_time=time.time() - 0.5)
     conn.get_num_new_matched_tokens(req, 0)
     sched._kvt.telemetry.shutdown()

@@ -14,6 +14,10 @@ import pytest
 from kvtune.local.metrics import wait_for_tokens
 from kvtune.local.pair import LocalPair
 from kvtune.local.workload import PairTarget, WorkloadConfig, generate, run_workload
+from kvtune.vllm_pd import (
+    DO_REMOTE_DECODE, REMOTE_BLOCKS_EXPIRY_TIME, REMOTE_BLOCK_IDS, REMOTE_ENGINE_ID,
+    REMOTE_NUM_TOKENS,
+)
 from kvtune.testing.reference import STANDARD_MAX_TOKENS, standard_conversations
 
 pytestmark = pytest.mark.vllm
@@ -51,11 +55,11 @@ def test_two_turns_pull_history_back_and_match_single_instance(pair, reference):
     assert d1.external_kv_transfer_tokens >= len(prompts[0]) - 1
     assert d1.local_compute_tokens <= 1
     retained = first.decode_kv_transfer_params
-    assert retained["do_remote_decode"] is True
-    assert retained["remote_engine_id"] == pair.decode_engine_id
-    assert retained["remote_block_ids"] and retained["remote_block_ids"][0]
-    assert retained["remote_num_tokens"] == len(prompts[0]) + len(expected[0]) - 1
-    assert retained["remote_blocks_expiry_time"] is not None
+    assert retained[DO_REMOTE_DECODE] is True
+    assert retained[REMOTE_ENGINE_ID] == pair.decode_engine_id
+    assert retained[REMOTE_BLOCK_IDS] and retained[REMOTE_BLOCK_IDS][0]
+    assert retained[REMOTE_NUM_TOKENS] == len(prompts[0]) + len(expected[0]) - 1
+    assert retained[REMOTE_BLOCKS_EXPIRY_TIME] is not None
     assert pair.conversation_params("conv-a") == retained
 
     # Turn 2: the prefill is offered the decode's blocks and pulls the history back.
@@ -68,9 +72,9 @@ def test_two_turns_pull_history_back_and_match_single_instance(pair, reference):
     # Prefill-side evidence: history tokens came over the connector, not from local compute.
     assert p_delta.external_kv_transfer_tokens > 0
     assert p_delta.total_tokens == len(prompts[1])
-    history_not_local = retained["remote_num_tokens"] - p_delta.local_cache_hit_tokens
+    history_not_local = retained[REMOTE_NUM_TOKENS] - p_delta.local_cache_hit_tokens
     assert p_delta.external_kv_transfer_tokens == history_not_local
-    assert p_delta.local_compute_tokens == len(prompts[1]) - retained["remote_num_tokens"]
+    assert p_delta.local_compute_tokens == len(prompts[1]) - retained[REMOTE_NUM_TOKENS]
     # ...and the decode again did not recompute the (longer) prompt.
     assert d_delta.local_compute_tokens <= 1
     assert d_delta.total_tokens == len(prompts[1])

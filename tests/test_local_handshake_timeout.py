@@ -24,6 +24,7 @@ from kvtune.local import client
 from kvtune.local.errors import LocalPairError
 from kvtune.local.pair import LocalPair, _body
 from kvtune.local.tiny_model import make_tiny_model
+from kvtune.vllm_pd import DO_REMOTE_DECODE, REMOTE_BLOCK_IDS
 from kvtune.testing.reference import random_prompt
 
 pytestmark = pytest.mark.vllm
@@ -41,8 +42,8 @@ def test_first_handshake_with_an_unresponsive_prefill_fails_with_http_500(tmp_pa
         headers = {"X-Request-Id": "kvtune-repro"}
         prefill = client.complete(pair.prefill_url, _body(
             prompt, 1, ignore_eos=True, stream=False,
-            kv_transfer_params={"do_remote_decode": True}), headers=headers, timeout_s=300)
-        assert prefill.kv_transfer_params["remote_block_ids"]
+            kv_transfer_params={DO_REMOTE_DECODE: True}), headers=headers, timeout_s=300)
+        assert prefill.kv_transfer_params[REMOTE_BLOCK_IDS]
         pgid = pair.prefill.proc.pid  # the prefill server's process group (API server + engine)
         os.killpg(pgid, signal.SIGSTOP)
         resume = threading.Timer(STOP_S, os.killpg, (pgid, signal.SIGCONT))

@@ -14,6 +14,9 @@ import pytest
 from kvtune.local.metrics import wait_for_tokens
 from kvtune.local.pair import LocalPair
 from kvtune.testing.reference import STANDARD_MAX_TOKENS, standard_prompts
+from kvtune.vllm_pd import (
+    DO_REMOTE_PREFILL, REMOTE_BLOCK_IDS, REMOTE_ENGINE_ID, REMOTE_PORT, REMOTE_REQUEST_ID,
+)
 
 pytestmark = pytest.mark.vllm
 
@@ -40,10 +43,10 @@ def test_pull_moves_kv_and_matches_single_instance(pair, reference, index):
     assert result.token_ids == reference.outputs[index]
     assert result.prompt_token_ids == tuple(prompt)
     params = result.kv_transfer_params
-    assert params["do_remote_prefill"] is True
-    assert params["remote_engine_id"] == pair.prefill_engine_id
-    assert params["remote_port"] == pair.prefill_side_channel_port
-    assert params["remote_block_ids"] and params["remote_block_ids"][0]
+    assert params[DO_REMOTE_PREFILL] is True
+    assert params[REMOTE_ENGINE_ID] == pair.prefill_engine_id
+    assert params[REMOTE_PORT] == pair.prefill_side_channel_port
+    assert params[REMOTE_BLOCK_IDS] and params[REMOTE_BLOCK_IDS][0]
     # The decode loaded the prompt's KV from the prefill instead of computing it.
     assert delta.external_kv_transfer_tokens >= len(prompt) - 1
     assert delta.local_compute_tokens <= 1
@@ -58,4 +61,4 @@ def test_traceparent_is_accepted_on_both_legs(pair, reference):
                            traceparent=traceparent)
     assert result.token_ids == reference.outputs[2]
     assert result.request_id == "kvtune-test-traceparent"
-    assert "kvtune-test-traceparent" in result.kv_transfer_params["remote_request_id"]
+    assert "kvtune-test-traceparent" in result.kv_transfer_params[REMOTE_REQUEST_ID]

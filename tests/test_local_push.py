@@ -15,6 +15,7 @@ import pytest
 from kvtune.local.metrics import wait_for_tokens
 from kvtune.local.pair import LocalPair
 from kvtune.testing.reference import STANDARD_MAX_TOKENS, standard_prompts
+from kvtune.vllm_pd import DO_REMOTE_PREFILL, REMOTE_ENGINE_ID, REMOTE_PORT, REMOTE_REQUEST_ID
 
 pytestmark = pytest.mark.vllm
 
@@ -40,10 +41,10 @@ def test_push_moves_kv_and_matches_single_instance(pair, reference, index):
 
     assert result.token_ids == reference.outputs[index]
     params = result.kv_transfer_params  # what the decode was told: the prefill, named up front
-    assert params["do_remote_prefill"] is True
-    assert params["remote_engine_id"] == pair.prefill_engine_id
-    assert params["remote_port"] == pair.prefill_side_channel_port
-    assert params["remote_request_id"] == result.request_id
+    assert params[DO_REMOTE_PREFILL] is True
+    assert params[REMOTE_ENGINE_ID] == pair.prefill_engine_id
+    assert params[REMOTE_PORT] == pair.prefill_side_channel_port
+    assert params[REMOTE_REQUEST_ID] == result.request_id
     # The decode received the prompt's KV (written by the prefill) instead of computing it.
     assert delta.external_kv_transfer_tokens >= len(prompt) - 1
     assert delta.local_compute_tokens <= 1

@@ -17,6 +17,7 @@ import pytest
 from kvtune.connectors.progress import EXTRA_CONFIG_KEY as PROGRESS_KEY
 from kvtune.connectors.idle import EXTRA_CONFIG_KEY as IDLE_WAIT_KEY
 from kvtune.connectors.progress import RECOMMENDED_DELAY_US, THREAD_KEY
+from kvtune import vllm_pd as pd
 from kvtune.errors import KvtuneError
 from kvtune.local import client
 from kvtune.local.errors import LocalPairError
@@ -24,11 +25,9 @@ from kvtune.local.metrics import (
     PROMPT_TOKENS_BY_SOURCE, PromptTokenSources, parse_prometheus, prompt_token_sources_from_text,
 )
 from kvtune.local.layout import PINNED, QUIET
-from kvtune.local.pair import (
-    CONNECTOR_CLASSES, KV_LEASE_DURATION_S, KVTUNE_CONNECTOR_MODULE, PLAIN_CONNECTOR_CLASSES,
-    PLAIN_CONNECTOR_MODULE, LocalPair,
-)
+from kvtune.local.pair import KV_LEASE_DURATION_S, LocalPair
 from kvtune.local.server import VllmServer, free_ports, wait_healthy
+from kvtune.vllm_pd import REMOTE_BLOCK_IDS
 
 
 # --- arguments and configuration -------------------------------------------------------------
@@ -58,15 +57,15 @@ def test_kv_transfer_config_per_mode_and_connector(tmp_path, mode, connector):
     assert pair.layout is PINNED
     p, d = pair.kv_transfer_config("prefill"), pair.kv_transfer_config("decode")
     plain = connector == "vllm" and mode == "pull"
-    expected = PLAIN_CONNECTOR_CLASSES[mode] if plain else CONNECTOR_CLASSES[(connector, mode)]
+    expected = pd.CONNECTOR_CLASSES[("plain" if plain else connector, mode)]
     assert p["kv_connector"] == d["kv_connector"] == expected
     if connector == "kvtune":
         assert p["kv_connector_module_path"] == d["kv_connector_module_path"] \
-            == KVTUNE_CONNECTOR_MODULE
+            == pd.KVTUNE_CONNECTOR_MODULE
         assert p["kv_connector"].startswith("KvtuneNixl")
     elif plain:
         assert p["kv_connector_module_path"] == d["kv_connector_module_path"] \
-            == PLAIN_CONNECTOR_MODULE
+            == pd.PLAIN_CONNECTOR_MODULE
     else:
         assert "kv_connector_module_path" not in p
     assert (p["kv_role"], d["kv_role"]) == ("kv_producer", "kv_consumer")
@@ -74,15 +73,15 @@ def test_kv_transfer_config_per_mode_and_connector(tmp_path, mode, connector):
     assert p["engine_id"] == pair.prefill_engine_id != d["engine_id"] == pair.decode_engine_id
     for cfg in (p, d):
         extra = cfg["kv_connector_extra_config"]
-        assert extra["kv_lease_duration"] == KV_LEASE_DURATION_S
+        assert extra[pd.KV_LEASE_DURATION] == KV_LEASE_DURATION_S
         assert extra["num_threads"] == 2
         assert THREAD_KEY not in extra and IDLE_WAIT_KEY not in extra
         if mode == "bidirectional":
-            assert extra["bidirectional_kv_xfer"] is True
-            assert extra["decoder_kv_blocks_ttl"] == 30
-            assert extra["kv_recompute_threshold"] == 8
+            assert extra[pd.BIDIRECTIONAL_KV_XFER] is True
+            assert extra[pd.DECODER_KV_BLOCKS_TTL] == 30
+            assert extra[pd.KV_RECOMPUTE_THRESHOLD] == 8
         else:
-            assert "bidirectional_kv_xfer" not in extra
+            assert pd.BIDIRECTIONAL_KV_XFER not in extra
     # NIXL's progress thread sleeps in pull mode only (push and bidirectional transfers were
     # measured to hang with it), for both connectors.
     delay_p = p["kv_connector_extra_config"].get(PROGRESS_KEY)
@@ -111,8 +110,8 @@ def test_quiet_layout_config(tmp_path, mode, connector):
         assert extra[IDLE_WAIT_KEY] == QUIET.idle_wait_ms
         assert PROGRESS_KEY not in extra
         if connector == "vllm":
-            assert cfg["kv_connector"] == PLAIN_CONNECTOR_CLASSES[mode]
-            assert cfg["kv_connector_module_path"] == PLAIN_CONNECTOR_MODULE
+            assert cfg["kv_connector"] == pd.CONNECTOR_CLASSES[("plain", mode)]
+            assert cfg["kv_connector_module_path"] == pd.PLAIN_CONNECTOR_MODULE
     assert QUIET.env(1) == {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1",
                             "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in PINNED.env(1)
@@ -124,8 +123,8 @@ def test_plain_connector_names_exist_in_their_module():
     pytest.importorskip("vllm")
     import importlib
 
-    module = importlib.import_module(PLAIN_CONNECTOR_MODULE)
-    for name in set(PLAIN_CONNECTOR_CLASSES.values()):
+    module = importlib.import_module(pd.PLAIN_CONNECTOR_MODULE)
+    for name in {c for (family, _), c in pd.CONNECTOR_CLASSES.items() if family == "plain"}:
         assert hasattr(module, name)
 
 
@@ -311,7 +310,7 @@ class StandInCompletions(BaseHTTPRequestHandler):
         out = list(body["prompt"][: body["max_tokens"]])
         if not body.get("stream"):
             data = {"choices": [{"text": "x" * len(out), "token_ids": out}],
-                    "kv_transfer_params": {"remote_block_ids": [[1]]}}
+                    "kv_transfer_params": {REMOTE_BLOCK_IDS: [[1]]}}
             raw = json.dumps(data).encode()
             self.send_response(200)
             self.send_header("Content-Length", str(len(raw)))
@@ -347,7 +346,7 @@ def test_client_reads_plain_and_streamed_completions(standin_url):
     plain = client.complete(url, {"prompt": [5, 6, 7], "max_tokens": 2},
                             headers={"X-Request-Id": "r1"}, timeout_s=30)
     assert plain.token_ids == (5, 6) and plain.text == "xx"
-    assert plain.kv_transfer_params == {"remote_block_ids": [[1]]}
+    assert plain.kv_transfer_params == {REMOTE_BLOCK_IDS: [[1]]}
     assert plain.first_token_ms is None and plain.elapsed_ms > 0
     streamed = client.complete(url, {"prompt": [5, 6, 7], "max_tokens": 3, "stream": True},
                                timeout_s=30)

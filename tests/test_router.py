@@ -14,9 +14,13 @@ from kvtune import spans
 from kvtune.router import RouterInThread, RouterProcess
 from kvtune.router.client import get, post
 from kvtune.router.server import FAILED_INSTANCE_HEADER, FAILED_LEG_HEADER
+from kvtune.testing.standin import StandInVllmCluster
+from kvtune.vllm_pd import (
+    DO_REMOTE_DECODE, DO_REMOTE_PREFILL, PP_SIZE, REMOTE_BLOCK_IDS, REMOTE_ENGINE_ID,
+    REMOTE_HOST, REMOTE_NUM_TOKENS, REMOTE_PORT, REMOTE_REQUEST_ID, TP_SIZE,
+)
 from _net import free_port
 
-from kvtune.testing.standin import StandInVllmCluster
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -64,7 +68,7 @@ def test_modes_end_to_end(mode, stream, tmp_path, tracer, exporter):
     for turn, (p, d, span) in enumerate(zip(prefill, decode, request_spans), start=1):
         # Prefill leg: one token, no stream, do_remote_decode; conversation_id stripped.
         assert p.body["max_tokens"] == 1 and p.body["stream"] is False
-        assert p.body["kv_transfer_params"]["do_remote_decode"] is True
+        assert p.body["kv_transfer_params"][DO_REMOTE_DECODE] is True
         assert "conversation_id" not in p.body and "conversation_id" not in d.body
         assert d.body["stream"] is stream and d.body["max_tokens"] == 3
         # One request id and one traceparent on both legs, as header and inside kv_transfer_params.
@@ -93,24 +97,24 @@ def test_modes_end_to_end(mode, stream, tmp_path, tracer, exporter):
         assert span.status.status_code != StatusCode.ERROR
         if mode == "push":
             kv = d.body["kv_transfer_params"]
-            assert kv["do_remote_prefill"] is True
-            assert kv["remote_engine_id"] == cluster.prefill[0].engine_id
-            assert kv["remote_port"] == cluster.prefill[0].kv_port
-            assert kv["remote_host"] == "127.0.0.1"
-            assert (kv["tp_size"], kv["pp_size"]) == (1, 1)
-            assert kv["remote_request_id"] == rid
+            assert kv[DO_REMOTE_PREFILL] is True
+            assert kv[REMOTE_ENGINE_ID] == cluster.prefill[0].engine_id
+            assert kv[REMOTE_PORT] == cluster.prefill[0].kv_port
+            assert kv[REMOTE_HOST] == "127.0.0.1"
+            assert (kv[TP_SIZE], kv[PP_SIZE]) == (1, 1)
+            assert kv[REMOTE_REQUEST_ID] == rid
         else:  # pull and bidirectional: the decode gets exactly what the prefill returned
             assert _plain(d.body["kv_transfer_params"]) == p.returned_kv_params
     if mode == "bidirectional" and not stream:
         # Turn 2's prefill carries what the decode returned at the end of turn 1.
         assert _plain(prefill[1].body["kv_transfer_params"]) == {
-            **decode[0].returned_kv_params, "do_remote_decode": True}
+            **decode[0].returned_kv_params, DO_REMOTE_DECODE: True}
         assert prefill[1].pulled_tokens > 0
         assert request_spans[1].attributes[spans.REUSE_REMOTE_TOKENS] == \
-            decode[0].returned_kv_params["remote_num_tokens"]
+            decode[0].returned_kv_params[REMOTE_NUM_TOKENS]
     else:
         # vLLM returns no kv_transfer_params in a stream: nothing to carry into turn 2.
-        assert "remote_block_ids" not in prefill[1].body["kv_transfer_params"]
+        assert REMOTE_BLOCK_IDS not in prefill[1].body["kv_transfer_params"]
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
@@ -163,7 +167,7 @@ def test_restart_after_sigkill_keeps_decode_params(tmp_path):
         turn2_prefill = cluster.requests("prefill")[1]
     assert answer.status == 200, answer.body
     sent = turn2_prefill.body["kv_transfer_params"]
-    assert _plain(sent) == {**turn1_decode.returned_kv_params, "do_remote_decode": True}
+    assert _plain(sent) == {**turn1_decode.returned_kv_params, DO_REMOTE_DECODE: True}
     assert sent[spans.KV_PARAMS_TURN] == 2
     assert turn2_prefill.pulled_tokens == len("one two three w0 w1 w2".split())
 
@@ -180,13 +184,13 @@ def test_expired_params_are_not_sent(tmp_path):
         # Control: a turn right after the previous one does carry its params.
         assert post(url, _completion("a b c d e f g h", conv="x")).status == 200
         prefill, decode = cluster.requests("prefill"), cluster.requests("decode")
-    assert "remote_block_ids" not in prefill[1].body["kv_transfer_params"]
+    assert REMOTE_BLOCK_IDS not in prefill[1].body["kv_transfer_params"]
     assert prefill[1].body["kv_transfer_params"][spans.KV_PARAMS_TURN] == 2
     # If the control turn ran slower than 1 s on a loaded machine its params expired too;
     # only assert the positive case when they could still be valid.
-    if "remote_block_ids" in prefill[2].body["kv_transfer_params"]:
+    if REMOTE_BLOCK_IDS in prefill[2].body["kv_transfer_params"]:
         assert _plain(prefill[2].body["kv_transfer_params"]) == {
-            **decode[1].returned_kv_params, "do_remote_decode": True}
+            **decode[1].returned_kv_params, DO_REMOTE_DECODE: True}
 
 
 def test_concurrent_conversations_keep_their_own_state(tmp_path, tracer, exporter):
@@ -222,9 +226,9 @@ def test_concurrent_conversations_keep_their_own_state(tmp_path, tracer, exporte
         assert p.body["prompt"].startswith(conv.replace("-", "") + " ")  # turn label on its own prompt
         assert p.body["prompt"].endswith(f"t{turn}")
         if turn == 1:
-            assert "remote_block_ids" not in kv
+            assert REMOTE_BLOCK_IDS not in kv
         else:  # no lost state, no crossed state: the previous turn of the same conversation
-            assert _plain(kv) == {**returned[(conv, turn - 1)], "do_remote_decode": True}
+            assert _plain(kv) == {**returned[(conv, turn - 1)], DO_REMOTE_DECODE: True}
             assert p.pulled_tokens > 0
     # Both instances of each role were used, and every request has its root span.
     assert {d.server for d in decode} == {s.name for s in cluster.decode}
@@ -388,10 +392,10 @@ def test_stand_in_refuses_protocol_mistakes():
         p, d = cluster.prefill[0].url, cluster.decode[0].url
         assert post(p + "/v1/completions", _completion("a")).status == 400  # no kv params
         assert post(d + "/v1/completions", {**_completion("a"), "kv_transfer_params": {
-            "do_remote_prefill": True, "remote_block_ids": [[999]],
-            "remote_request_id": "nope"}}).status == 400  # blocks never issued
+            DO_REMOTE_PREFILL: True, REMOTE_BLOCK_IDS: [[999]],
+            REMOTE_REQUEST_ID: "nope"}}).status == 400  # blocks never issued
         ok = post(p + "/v1/completions", {**_completion("a", max_tokens=1),
-                                         "kv_transfer_params": {"do_remote_decode": True}})
+                                         "kv_transfer_params": {DO_REMOTE_DECODE: True}})
         params = ok.json()["kv_transfer_params"]
         assert post(d + "/v1/completions", {**_completion("a"), "kv_transfer_params": params}).status == 200
         # Read once: a second decode with the same blocks is refused.

@@ -19,6 +19,7 @@ from kvtune.router.parsing import (CONVERSATION_FIELD, MAX_CLIENT_REQUEST_ID_CHA
                                    parse_request)
 from kvtune.router.state import (MAX_CONVERSATION_ID_BYTES, InvalidConversationId,
                                  RedisConversationStore, SqliteConversationStore)
+from kvtune.vllm_pd import REMOTE_BLOCK_IDS
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -187,7 +188,7 @@ def _run_against_model(store, clock: Clock, sequence) -> None:
             assert start.expired == (held is not None and expect is None)
             assert start.conversation_id == conv
         elif op == "store":
-            p = {"owner": conv, "n": next(counter), "remote_block_ids": [[1, 2]]}
+            p = {"owner": conv, "n": next(counter), REMOTE_BLOCK_IDS: [[1, 2]]}
             expires = store.store_params(conv, p, "http://d")
             assert expires == clock.now + TTL_S
             params[conv] = (p, expires)

@@ -11,12 +11,15 @@ import pytest
 from kvtune.errors import RouterError
 from kvtune.router.state import (ConversationStore, RedisConversationStore, SqliteConversationStore,
                                  open_store)
+from kvtune.vllm_pd import (
+    DO_REMOTE_DECODE, REMOTE_BLOCK_IDS, REMOTE_ENGINE_ID, REMOTE_NUM_TOKENS, REMOTE_REQUEST_ID,
+)
 from _net import free_port
 
 pytestmark = pytest.mark.timeout(60)
 
-PARAMS = {"do_remote_decode": True, "remote_block_ids": [[1, 2]], "remote_engine_id": "d0",
-          "remote_request_id": "cmpl-x-0", "remote_num_tokens": 20}
+PARAMS = {DO_REMOTE_DECODE: True, REMOTE_BLOCK_IDS: [[1, 2]], REMOTE_ENGINE_ID: "d0",
+          REMOTE_REQUEST_ID: "cmpl-x-0", REMOTE_NUM_TOKENS: 20}
 
 
 class FakeClock:
@@ -165,5 +168,5 @@ def test_router_with_redis_state_carries_params_across_restart(redis_url, tmp_pa
             assert post(second.url + "/v1/completions", {**body, "prompt": "a b c w0 d"}).status == 200
         returned = cluster.requests("decode")[0].returned_kv_params
         sent = cluster.requests("prefill")[1].body["kv_transfer_params"]
-    assert sent["remote_block_ids"] == returned["remote_block_ids"]
+    assert sent[REMOTE_BLOCK_IDS] == returned[REMOTE_BLOCK_IDS]
     assert cluster.prefill[0].received[1].pulled_tokens == 5  # min(3 + 2 held, 5 in prompt)

@@ -14,6 +14,7 @@ import pytest
 from redis_faults import FAULT_KINDS, RedisFaultProxy, redis_server
 from kvtune.errors import RouterError
 from kvtune.router.state import RedisConversationStore, StateStoreError
+from kvtune.vllm_pd import DO_REMOTE_DECODE, REMOTE_BLOCK_IDS, REMOTE_REQUEST_ID
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -41,8 +42,8 @@ def proxy(redis_port):
 
 
 def _params(conv: str, n: int) -> dict:
-    return {"do_remote_decode": True, "remote_block_ids": [[n, n + 1]], "marker_conv": conv,
-            "marker_n": n, "remote_request_id": f"cmpl-{conv}-{n}-0"}
+    return {DO_REMOTE_DECODE: True, REMOTE_BLOCK_IDS: [[n, n + 1]], "marker_conv": conv,
+            "marker_n": n, REMOTE_REQUEST_ID: f"cmpl-{conv}-{n}-0"}
 
 
 class Outcome:

@@ -4,6 +4,8 @@ carries the history into the next turn; with vLLM 0.32's SSE (none in the stream
 per conversation, in a span event and in ``/health``. Through stand-ins speaking each format."""
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from kvtune import spans
@@ -11,6 +13,7 @@ from kvtune.router import RouterInThread
 from kvtune.router.client import get, parse_sse, post
 from kvtune.router.server import UPSTREAM_REQUEST_ID_HEADER
 from kvtune.testing.standin import StandInVllmCluster
+from kvtune.vllm_pd import DO_REMOTE_DECODE, REMOTE_BLOCK_IDS, REMOTE_NUM_TOKENS
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -61,10 +64,10 @@ def test_streamed_bidirectional_conversation_carries_history_with_033_sse(
         finals = [e for e in events if e.get("kv_transfer_params")]
         assert len(finals) == 1 and finals[0]["choices"][0]["finish_reason"] == "length"
     # Turn 1 has no history; turns 2-4 hold the previous turn's decode params.
-    assert "remote_block_ids" not in prefill[0].body["kv_transfer_params"]
+    assert REMOTE_BLOCK_IDS not in prefill[0].body["kv_transfer_params"]
     for t in range(1, TURNS):
         assert _plain(prefill[t].body["kv_transfer_params"]) == {
-            **decode[t - 1].returned_kv_params, "do_remote_decode": True}
+            **decode[t - 1].returned_kv_params, DO_REMOTE_DECODE: True}
         assert prefill[t].pulled_tokens > 0
         assert prefill[t].status == 200
     assert health["streamed_bidirectional"] == {"turns_with_kv_transfer_params": TURNS,
@@ -74,7 +77,7 @@ def test_streamed_bidirectional_conversation_carries_history_with_033_sse(
     assert not [e for s in request_spans for e in s.events
                 if e.name == spans.EventName.STREAM_PARAMS_ABSENT.value]
     assert sorted(s.attributes.get(spans.REUSE_REMOTE_TOKENS) or 0 for s in request_spans)[1:] == \
-        sorted(d.returned_kv_params["remote_num_tokens"] for d in decode[:-1])
+        sorted(d.returned_kv_params[REMOTE_NUM_TOKENS] for d in decode[:-1])
 
 
 def test_streamed_turns_without_params_are_reported_once_per_conversation(tmp_path, tracer,
@@ -91,7 +94,7 @@ def test_streamed_turns_without_params_are_reported_once_per_conversation(tmp_pa
     assert all(a.status == 200 for a in a1 + a2)
     for a in a1 + a2:  # relayed unchanged here too
         assert a.body == sent[a.headers[UPSTREAM_REQUEST_ID_HEADER]]
-    assert all("remote_block_ids" not in p.body["kv_transfer_params"] for p in prefill)
+    assert all(REMOTE_BLOCK_IDS not in p.body["kv_transfer_params"] for p in prefill)
     streams = health["streamed_bidirectional"]
     assert streams["turns_with_kv_transfer_params"] == 0
     assert streams["turns_without_kv_transfer_params"] == 5
@@ -111,7 +114,7 @@ def test_non_streamed_turns_are_not_counted_as_streams(tmp_path):
         assert post(router.url + "/v1/completions", {**body, "prompt": "a b w0 w1 c"}).status == 200
         health = get(router.url + "/health").json()
         prefill = cluster.requests("prefill")
-    assert "remote_block_ids" in prefill[1].body["kv_transfer_params"]
+    assert REMOTE_BLOCK_IDS in prefill[1].body["kv_transfer_params"]
     assert health["streamed_bidirectional"] == {"turns_with_kv_transfer_params": 0,
                                                 "turns_without_kv_transfer_params": 0}
 
@@ -123,8 +126,9 @@ def test_sse_watcher_bounds_its_buffer_and_finds_params_after_a_huge_line():
     for i in range(0, len(huge), 1 << 20):  # 1 MiB chunks, no newline for over 16 MiB
         w.feed(huge[i:i + (1 << 20)])
         assert len(w._buf) <= SSE_MAX_LINE_BYTES + (1 << 20)
-    final = b'\n\ndata: {"choices": [{"text": "t"}], "kv_transfer_params": {"remote_block_ids": [[1]]}}\n'
+    event = {"choices": [{"text": "t"}], "kv_transfer_params": {REMOTE_BLOCK_IDS: [[1]]}}
+    final = b"\n\ndata: " + json.dumps(event).encode() + b"\n"
     for byte in final:  # and split anywhere
         w.feed(bytes([byte]))
-    assert w.kv_transfer_params == {"remote_block_ids": [[1]]}
+    assert w.kv_transfer_params == {REMOTE_BLOCK_IDS: [[1]]}
     assert w.content_events == 1

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 from kvtune.errors import ConnectorError
+from kvtune.vllm_pd import BIDIRECTIONAL_KV_XFER, progress_delay_applies
 
 EXTRA_CONFIG_KEY: Final = "kvtune_progress_delay_us"
 """``kv_connector_extra_config`` key: NIXL progress-thread delay in microseconds (int >= 0)."""
@@ -126,17 +127,17 @@ NO_THREAD_SPAN_VALUE: Final = -1
 def settings_of(vllm_config: Any, push: bool) -> AgentSettings:
     """The agent settings a worker's ``kv_connector_extra_config`` asks for.
 
-    The delay applies to pull mode only: in push and bidirectional mode the prefill initiates
-    transfers (WRITEs, reverse READs), and a sleeping progress thread on either side was measured
-    to hang them (the first push WRITE waited for the 120 s lease; bidirectional workers timed
-    out), so it is ignored there with a warning."""
+    The delay applies to pull mode only (:func:`kvtune.vllm_pd.progress_delay_applies`): in push
+    and bidirectional mode the prefill initiates transfers (WRITEs, reverse READs), and a sleeping
+    progress thread on either side was measured to hang them (the first push WRITE waited for the
+    120 s lease; bidirectional workers timed out), so it is ignored there with a warning."""
     cfg = vllm_config.kv_transfer_config
     extra = getattr(cfg, "kv_connector_extra_config", None) or {}
     delay = delay_from_extra_config(extra)
     thread = thread_from_extra_config(extra)
     mode = "push" if push else (
-        "bidirectional" if extra.get("bidirectional_kv_xfer", False) else "pull")
-    if delay is not None and mode != "pull":
+        "bidirectional" if extra.get(BIDIRECTIONAL_KV_XFER, False) else "pull")
+    if delay is not None and not progress_delay_applies(mode):
         _log.warning("kvtune: %s ignored in %s mode (its transfers were measured to hang with a "
                      "sleeping NIXL progress thread); it applies to pull mode only",
                      EXTRA_CONFIG_KEY, mode)

@@ -34,6 +34,13 @@ from kvtune.connectors.observer import (
     traceparent_of,
     transfer_attrs,
 )
+from kvtune.vllm_pd import (
+    DO_REMOTE_DECODE,
+    DO_REMOTE_PREFILL,
+    REMOTE_BLOCK_IDS,
+    REMOTE_NUM_TOKENS,
+    REMOTE_REQUEST_ID,
+)
 
 if TYPE_CHECKING:
     from vllm.v1.request import Request
@@ -109,7 +116,7 @@ class _SchedulerHooks:
     def update_state_after_alloc(self, request: Request, blocks: Any,
                                  num_external_tokens: int) -> Any:
         params = request.kv_transfer_params
-        pre = (bool(params.get("do_remote_prefill")), bool(params.get("do_remote_decode"))) \
+        pre = (bool(params.get(DO_REMOTE_PREFILL)), bool(params.get(DO_REMOTE_DECODE))) \
             if params else None
         result = super().update_state_after_alloc(request, blocks, num_external_tokens)
         GUARD.run("scheduler.alloc", self._kvt_on_alloc, request, blocks, num_external_tokens, pre)
@@ -148,7 +155,7 @@ class _SchedulerHooks:
         if st is None:
             params = request.kv_transfer_params or {}
             # On the decode the forward transfer is named after the prefill's request.
-            remote = params.get("remote_request_id") if params.get("do_remote_prefill") else None
+            remote = params.get(REMOTE_REQUEST_ID) if params.get(DO_REMOTE_PREFILL) else None
             base = base_request_id(str(remote) if remote else request.request_id)
             sc = request_span_context(base, trace_headers=getattr(request, "trace_headers", None),
                                       kv_params=params)
@@ -180,7 +187,7 @@ class _SchedulerHooks:
             st.queued = True
             self._kvt_on_queued(request, st)
         st.local_cached = int(num_computed_tokens)
-        if (self._kvt_mode is spans.Mode.BIDIRECTIONAL and params.get("do_remote_decode")
+        if (self._kvt_mode is spans.Mode.BIDIRECTIONAL and params.get(DO_REMOTE_DECODE)
                 and not st.decided):
             st.decided = True
             self._kvt_reuse_decision(request, st, params, num_computed_tokens, result)
@@ -201,9 +208,9 @@ class _SchedulerHooks:
                             num_computed_tokens: int, result: tuple[int | None, bool]) -> None:
         t = now_ns()
         st.decision_ns = t
-        remote_id = params.get("remote_request_id")
-        remote_tokens = int(params.get("remote_num_tokens") or 0) if params.get(
-            "remote_block_ids") else 0
+        remote_id = params.get(REMOTE_REQUEST_ID)
+        remote_tokens = int(params.get(REMOTE_NUM_TOKENS) or 0) if params.get(
+            REMOTE_BLOCK_IDS) else 0
         threshold = int(getattr(self, "kv_recompute_threshold", 0))
         if result[0]:
             # A pull: the worker confirms it (or declines it as expired) and emits the span.
@@ -241,12 +248,12 @@ class _SchedulerHooks:
             if (self._kvt_mode is spans.Mode.BIDIRECTIONAL and num_external_tokens > 0
                     and request.request_id in getattr(self, "_reqs_need_recv", {})):
                 params = request.kv_transfer_params or {}
-                remote_id = str(params.get("remote_request_id") or "")
+                remote_id = str(params.get(REMOTE_REQUEST_ID) or "")
                 self._kvt_trace(
                     st, remote_base_id=base_request_id(remote_id) if remote_id else None,
                     remote_traceparent=params.get(spans.KV_PARAMS_RETAINED_TRACEPARENT),
                     tokens=int(num_external_tokens), mark_ns=st.decision_ns,
-                    remote_tokens=_int_or_none(params.get("remote_num_tokens")),
+                    remote_tokens=_int_or_none(params.get(REMOTE_NUM_TOKENS)),
                     threshold_tokens=int(getattr(self, "kv_recompute_threshold", 0)))
         elif was_remote_prefill and num_external_tokens > 0:
             st.waiting_kv = True
@@ -292,7 +299,7 @@ class _SchedulerHooks:
             return
         t = now_ns()
         sc = parse_traceparent(st.traceparent) or derived_span_context(st.base_id)
-        if params.get("do_remote_decode") and st.scheduled_ns is not None:
+        if params.get(DO_REMOTE_DECODE) and st.scheduled_ns is not None:
             prompt = int(request.num_prompt_tokens)
             cached = min(prompt, st.local_cached + st.external)
             ok = status_name in _NORMAL_FINISH
@@ -315,7 +322,7 @@ class _SchedulerHooks:
             # Retained blocks belong to this decode's own request (named after its own id).
             self._kvt_trace(st, base_id=base_request_id(rid), mark_ns=t,
                             ttl_s=float(getattr(self, "decoder_kv_blocks_ttl", 0)),
-                            tokens=_int_or_none(out.get("remote_num_tokens")))
+                            tokens=_int_or_none(out.get(REMOTE_NUM_TOKENS)))
 
 
 def _str_or_none(value: Any) -> str | None:

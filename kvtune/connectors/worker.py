@@ -46,6 +46,7 @@ from kvtune.connectors.observer import (
     transfer_attrs,
 )
 from kvtune.connectors.scheduler import role_of
+from kvtune.vllm_pd import BIDIRECTIONAL_KV_XFER, REMOTE_ENGINE_ID
 
 _D = spans.Direction
 _S = spans.SpanName
@@ -68,7 +69,7 @@ class _WorkerHooks:
 
     def _kvt_setup(self) -> None:
         cfg = self.vllm_config.kv_transfer_config
-        bidir = bool(cfg.get_from_extra_config("bidirectional_kv_xfer", False))
+        bidir = bool(cfg.get_from_extra_config(BIDIRECTIONAL_KV_XFER, False))
         mode = spans.Mode.BIDIRECTIONAL if bidir else self._KVT_MODE
         emitter = Emitter(role_of(cfg.kv_role), mode, str(self.engine_id),
                           tp_rank=getattr(self, "tp_rank", None))
@@ -313,7 +314,7 @@ class KvtunePushWorker(_WorkerHooks, NixlPushConnectorWorker):
 
     def _kvt_reg_trigger(self, req_id: str, reg_data: dict[str, Any]) -> None:
         sc, base, info = self._kvt_forward_target_sc(req_id)
-        self._kvt_trigger_handshake(str(reg_data["remote_engine_id"]), sc,
+        self._kvt_trigger_handshake(str(reg_data[REMOTE_ENGINE_ID]), sc,
                                     transfer_attrs(base, _D.FORWARD, req_id))
 
     @compat.overrides(_S.REGISTRATION)
@@ -327,7 +328,7 @@ class KvtunePushWorker(_WorkerHooks, NixlPushConnectorWorker):
         start = info.mark_ns if info is not None and info.mark_ns is not None else now_ns()
         self._kvt.emit(_S.REGISTRATION, sc, start, now_ns(), lambda: {
             **transfer_attrs(base, _D.FORWARD, req_id), **request_attrs(info),
-            spans.REMOTE_ENGINE_ID: str(reg_data.get("remote_engine_id")),
+            spans.REMOTE_ENGINE_ID: str(reg_data.get(REMOTE_ENGINE_ID)),
             spans.BLOCKS: count_blocks(reg_data.get("local_block_ids")),
             spans.TOKENS: info.tokens if info is not None else None})
 

@@ -29,11 +29,12 @@ import yaml
 
 from kvtune import __version__
 from kvtune import spans as sc
+from kvtune import vllm_pd
 from kvtune.errors import ConfigError
 from kvtune.export.model import PLACEHOLDER, ModelName
 from kvtune.recommend.evidence import JsonEvidence, ModeEvidence, ThresholdEvidence, TtlEvidence
 from kvtune.recommend.results import NEVER, Tuning
-from kvtune.recommend.ttl import router_margin_s
+from kvtune.vllm_pd import router_margin_s
 
 FILES: tuple[str, ...] = (
     "prefill.kv-transfer-config.json", "decode.kv-transfer-config.json",
@@ -42,21 +43,13 @@ FILES: tuple[str, ...] = (
 )
 """Every file :func:`write` makes, in the order it makes them."""
 
-CONNECTORS: dict[tuple[str, str], str] = {
-    ("kvtune", sc.Mode.PULL.value): "KvtuneNixlPullConnector",
-    ("kvtune", sc.Mode.BIDIRECTIONAL.value): "KvtuneNixlPullConnector",
-    ("kvtune", sc.Mode.PUSH.value): "KvtuneNixlPushConnector",
-    ("vllm", sc.Mode.PULL.value): "NixlConnector",
-    ("vllm", sc.Mode.BIDIRECTIONAL.value): "NixlConnector",
-    ("vllm", sc.Mode.PUSH.value): "NixlPushConnector",
-}
-"""``kv_connector`` per (connector family, mode): kvtune's instrumented subclasses or vLLM's own."""
-KVTUNE_CONNECTOR_MODULE = "kvtune.connectors"
+CONNECTOR_FAMILIES: tuple[str, ...] = ("kvtune", "vllm")
+"""Connector families an export names: kvtune's instrumented subclasses or vLLM's own."""
 NEVER_THRESHOLD_TOKENS = 2**31 - 1
 """``kv_recompute_threshold`` written when reuse never pays: every history is below it (recompute)."""
 DEFAULT_PREFILL_URL = "http://PREFILL_HOST:8100"
 DEFAULT_DECODE_URL = "http://DECODE_HOST:8200"
-DEFAULT_SIDE_CHANNEL_PORT = 5600
+DEFAULT_SIDE_CHANNEL_PORT = vllm_pd.DEFAULT_SIDE_CHANNEL_PORT
 """vLLM's default ``VLLM_NIXL_SIDE_CHANNEL_PORT`` (the router needs it in push mode)."""
 PREFILL_ENGINE_ID = "kvtune-prefill-0"
 """Fixed prefill engine id: the push router names the prefill up front."""
@@ -73,29 +66,23 @@ def kv_transfer_configs(tuning: Tuning, *, connector: str = "kvtune",
                         extra: dict[str, Any] | None = None) -> dict[str, dict[str, Any]]:
     """``{"prefill": {...}, "decode": {...}}``: the two ``--kv-transfer-config`` values."""
     mode = str(tuning.mode.value)
-    if (connector, mode) not in CONNECTORS:
+    if connector not in CONNECTOR_FAMILIES or mode not in vllm_pd.MODES:
         raise ConfigError(f"export: connector {connector!r} / mode {mode!r}: expected connector in "
-                          f"{sorted({c for c, _ in CONNECTORS})} and mode in "
-                          f"{sorted({m for _, m in CONNECTORS})}")
+                          f"{sorted(CONNECTOR_FAMILIES)} and mode in {sorted(vllm_pd.MODES)}")
     bidi = mode == sc.Mode.BIDIRECTIONAL.value
     ttl = int(tuning.ttl.value)
     out: dict[str, dict[str, Any]] = {}
-    for role, kv_role in (("prefill", "kv_producer"), ("decode", "kv_consumer")):
-        ex: dict[str, Any] = {"kv_recompute_threshold": threshold_tokens(tuning),
-                              "bidirectional_kv_xfer": bidi}
+    for role in ("prefill", "decode"):
+        ex: dict[str, Any] = {vllm_pd.KV_RECOMPUTE_THRESHOLD: threshold_tokens(tuning),
+                              vllm_pd.BIDIRECTIONAL_KV_XFER: bidi}
         # vLLM's push connector also uses the TTL as its registration timeout: never write 0 there.
         if bidi or ttl > 0:
-            ex["decoder_kv_blocks_ttl"] = ttl
+            ex[vllm_pd.DECODER_KV_BLOCKS_TTL] = ttl
         ex.update(extra or {})
-        cfg: dict[str, Any] = {"kv_connector": CONNECTORS[(connector, mode)], "kv_role": kv_role,
-                               "kv_connector_extra_config": ex}
-        if connector == "kvtune":
-            cfg["kv_connector_module_path"] = KVTUNE_CONNECTOR_MODULE
-        if kv_buffer_device:
-            cfg["kv_buffer_device"] = kv_buffer_device
-        if role == "prefill" and mode == sc.Mode.PUSH.value:
-            cfg["engine_id"] = PREFILL_ENGINE_ID
-        out[role] = cfg
+        out[role] = vllm_pd.kv_transfer_config(
+            role, mode, connector=connector, kv_buffer_device=kv_buffer_device, extra_config=ex,
+            engine_id=PREFILL_ENGINE_ID if role == "prefill" and mode == sc.Mode.PUSH.value
+            else None)
     return out
 
 

@@ -2,16 +2,22 @@
 
 ``LocalPair`` starts two ``python -m vllm.entrypoints.openai.api_server`` processes on 127.0.0.1
 (prefill and decode), each on its own core with a small KV cache, connected by NIXL (UCX) through
-either kvtune's instrumented connectors or vLLM's own, and drives the P/D flow of each mode the way
-a router would (see ``shared/CPU-VLLM.md`` (beside the repository) for what was tried on these machines):
+either kvtune's instrumented connectors or vLLM's own, and drives the P/D flow of each mode through
+kvtune's router (:class:`kvtune.router.server.Router`, served in this process on a thread, bound to
+127.0.0.1; see :mod:`kvtune.vllm_pd` for the flows, and ``shared/CPU-VLLM.md`` (beside the
+repository) for what was tried on these machines):
 
-- pull: prefill with ``max_tokens=1`` and ``{"do_remote_decode": true}``; then the decode with the
+- pull: prefill with ``max_tokens=1`` and ``do_remote_decode``; then the decode with the
   ``kv_transfer_params`` the prefill returned (the decode READs the prompt's KV).
 - push: both legs at once with one shared ``X-Request-Id``; the decode names the prefill up front
   (engine id, side-channel port, ``remote_request_id``) and the prefill WRITEs into its blocks.
 - bidirectional: pull, plus the decode's returned ``kv_transfer_params`` (its retained blocks)
-  stored per conversation and sent with that conversation's next prefill, which pulls the history
-  back from the decode instead of recomputing it (subject to ``kv_recompute_threshold``).
+  stored per conversation (the router's store) and sent with that conversation's next prefill,
+  which pulls the history back from the decode instead of recomputing it (subject to
+  ``kv_recompute_threshold``).
+
+The router uses the caller's request id for both legs, and passes the caller's ``traceparent`` to
+them as it is (it makes no spans of its own here).
 
 ``SingleServer`` is one plain vLLM server (no connector) for reference outputs.
 """
@@ -19,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import json
 import logging
 import os
 import tempfile
@@ -29,8 +36,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
 
-from kvtune.connectors.progress import EXTRA_CONFIG_KEY as PROGRESS_DELAY_KEY
+from opentelemetry import trace
+
+from kvtune import vllm_pd
 from kvtune.connectors.idle import EXTRA_CONFIG_KEY as IDLE_WAIT_KEY
+from kvtune.connectors.progress import EXTRA_CONFIG_KEY as PROGRESS_DELAY_KEY
 from kvtune.connectors.progress import THREAD_KEY
 from kvtune.local import client, server
 from kvtune.local.errors import LocalPairError
@@ -40,26 +50,20 @@ from kvtune.local.metrics import PromptTokenSources, prompt_token_sources
 from kvtune.local.server import HOST, SERVED_MODEL_NAME, VllmServer, free_ports, logs_report
 from kvtune.local.tiny_model import make_tiny_model
 from kvtune.local.watchdog import StackWatchdog
-from kvtune.spans import KV_PARAMS_CONVERSATION_ID, KV_PARAMS_TRACEPARENT, KV_PARAMS_TURN
+from kvtune.router.config import InstanceConfig, RouterConfig
+from kvtune.router.parsing import REQUEST_ID_HEADER
+from kvtune.router.process import RouterInThread
+from kvtune.router.server import LegRecord
+from kvtune.router.state import SqliteConversationStore
+from kvtune.router.tracing import TRACEPARENT_HEADER
+from kvtune.spans import CONVERSATION_HEADER, Mode
 
-MODES: Final = ("pull", "push", "bidirectional")
+MODES: Final = vllm_pd.MODES
 CONNECTORS: Final = ("kvtune", "vllm")
-CONNECTOR_CLASSES: Final = {
-    ("kvtune", "pull"): "KvtuneNixlPullConnector",
-    ("kvtune", "bidirectional"): "KvtuneNixlPullConnector",
-    ("kvtune", "push"): "KvtuneNixlPushConnector",
-    ("vllm", "pull"): "NixlConnector",
-    ("vllm", "bidirectional"): "NixlConnector",
-    ("vllm", "push"): "NixlPushConnector",
-}
-PLAIN_CONNECTOR_CLASSES: Final = {
-    "pull": "PlainNixlPullConnector", "bidirectional": "PlainNixlPullConnector",
-    "push": "PlainNixlPushConnector",
-}
-"""vLLM's own connectors with only the layout's NIXL agent settings (``kvtune.connectors.plain``):
-what ``connector="vllm"`` loads when the layout changes the agent (vLLM's classes cannot)."""
-KVTUNE_CONNECTOR_MODULE: Final = "kvtune.connectors"
-PLAIN_CONNECTOR_MODULE: Final = "kvtune.connectors.plain"
+"""Connector families a pair loads (``vllm`` becomes ``plain`` when the layout changes the NIXL
+agent, which vLLM's classes cannot: :data:`kvtune.vllm_pd.CONNECTOR_CLASSES`)."""
+AGENT_SETTING_KEYS: Final = (PROGRESS_DELAY_KEY, THREAD_KEY, IDLE_WAIT_KEY)
+"""``kv_connector_extra_config`` keys only kvtune's connectors (and the plain ones) read."""
 SPANS_DIR_ENV: Final = "KVTUNE_SPANS_DIR"
 """Environment variable that tells kvtune's connectors where to write OTLP-JSON span lines."""
 KV_LEASE_DURATION_S: Final = 30
@@ -81,11 +85,12 @@ WARMUP_LEG_TIMEOUT_S: Final = 60.0
 """Per-leg HTTP timeout during the P/D warm-up (first-contact handshakes took up to 100 s on the
 starved pinned layout; under a second on the quiet one)."""
 WARMUP_MAX_OUTPUT_TOKENS: Final = 1024
+MAX_UNCLAIMED_LEGS: Final = 1024
+"""Requests whose leg records are kept until claimed (a failed request's late legs are dropped,
+oldest first, beyond this)."""
 HANG_BOUND_S: Final = 20.0
 """A leg still running after this long gets every server thread's stack dumped (``stacks/`` in the
 workdir, see :mod:`kvtune.local.watchdog`); on the quiet layout legs take well under a second."""
-VLLM_DEFAULT_RECOMPUTE_THRESHOLD: Final = 64
-"""vLLM 0.32's ``kv_recompute_threshold`` default (``NixlBaseConnectorScheduler``)."""
 
 _log = logging.getLogger(__name__)
 
@@ -150,22 +155,14 @@ def _body(prompt: list[int] | str, max_tokens: int, *, ignore_eos: bool, stream:
     return body
 
 
-def _headers(request_id: str, traceparent: str | None) -> dict[str, str]:
-    headers = {"X-Request-Id": request_id}
+def _headers(request_id: str, traceparent: str | None,
+             conversation: str | None = None) -> dict[str, str]:
+    headers = {REQUEST_ID_HEADER: request_id}
     if traceparent:
-        headers["traceparent"] = traceparent
-    return headers
-
-
-def _with_context(params: Mapping[str, Any], traceparent: str | None,
-                  conversation: tuple[str, int] | None = None) -> dict[str, Any]:
-    """``params`` plus kvtune's carriers: the W3C traceparent, the conversation id and turn."""
-    out = dict(params)
-    if traceparent:
-        out[KV_PARAMS_TRACEPARENT] = traceparent
+        headers[TRACEPARENT_HEADER] = traceparent
     if conversation is not None:
-        out[KV_PARAMS_CONVERSATION_ID], out[KV_PARAMS_TURN] = conversation
-    return out
+        headers[CONVERSATION_HEADER] = conversation
+    return headers
 
 
 class _Servers:
@@ -271,9 +268,10 @@ class LocalPair(_Servers):
         self.decode_engine_id = decode_engine_id
         self.cpu_cores = cpu_cores
         self.warmup_transfer = warmup_transfer
-        self._conversations: dict[str, dict[str, Any]] = {}
-        self._turns: dict[str, int] = {}
-        self._lock = threading.Lock()
+        self._router: RouterInThread | None = None
+        self._store: SqliteConversationStore | None = None
+        self._legs: dict[str, dict[str, LegRecord]] = {}
+        self._legs_changed = threading.Condition()
         self._servers = []
         self.prefill: VllmServer | None = None
         self.decode: VllmServer | None = None
@@ -281,31 +279,35 @@ class LocalPair(_Servers):
     # --- configuration -------------------------------------------------------------------------
     def kv_transfer_config(self, role: str) -> dict[str, Any]:
         """The ``--kv-transfer-config`` of the prefill (``role="prefill"``) or decode server."""
-        extra: dict[str, Any] = {"kv_lease_duration": KV_LEASE_DURATION_S,
+        extra: dict[str, Any] = {vllm_pd.KV_LEASE_DURATION: KV_LEASE_DURATION_S,
                                  **self.layout.kv_extra_config(self.mode)}
-        if self.mode == "bidirectional":
-            extra["bidirectional_kv_xfer"] = True
         if self.ttl_s is not None:
-            extra["decoder_kv_blocks_ttl"] = self.ttl_s
+            extra[vllm_pd.DECODER_KV_BLOCKS_TTL] = self.ttl_s
         if self.recompute_threshold is not None:
-            extra["kv_recompute_threshold"] = self.recompute_threshold
+            extra[vllm_pd.KV_RECOMPUTE_THRESHOLD] = self.recompute_threshold
         extra.update(self.kv_extra_config)
         extra.update(self.role_kv_extra_config.get(role, {}))
         plain = self.connector == "vllm" and any(
-            extra.get(k) is not None for k in (PROGRESS_DELAY_KEY, THREAD_KEY, IDLE_WAIT_KEY))
-        cfg: dict[str, Any] = {
-            "kv_connector": (PLAIN_CONNECTOR_CLASSES[self.mode] if plain
-                             else CONNECTOR_CLASSES[(self.connector, self.mode)]),
-            "kv_role": "kv_producer" if role == "prefill" else "kv_consumer",
-            "kv_buffer_device": "cpu",
-            "engine_id": self.prefill_engine_id if role == "prefill" else self.decode_engine_id,
-            "kv_connector_extra_config": extra,
-        }
-        if self.connector == "kvtune":
-            cfg["kv_connector_module_path"] = KVTUNE_CONNECTOR_MODULE
-        elif plain:
-            cfg["kv_connector_module_path"] = PLAIN_CONNECTOR_MODULE
-        return cfg
+            extra.get(k) is not None for k in AGENT_SETTING_KEYS)
+        return vllm_pd.kv_transfer_config(
+            role, self.mode, connector="plain" if plain else self.connector,
+            engine_id=self.prefill_engine_id if role == "prefill" else self.decode_engine_id,
+            kv_buffer_device="cpu", extra_config=extra)
+
+    def router_config(self) -> RouterConfig:
+        """The configuration of the router that drives this pair's requests (running servers)."""
+        prefill, decode = self._require("prefill"), self._require("decode")
+        extra = self.kv_transfer_config("decode")["kv_connector_extra_config"]
+        timeout_s = self._leg_timeout_s
+        return RouterConfig(
+            prefill=(InstanceConfig(prefill.url, engine_id=self.prefill_engine_id, kv_host=HOST,
+                                    kv_port=self.prefill_side_channel_port),),
+            decode=(InstanceConfig(decode.url),), mode=Mode(self.mode), host=HOST, port=0,
+            state=":memory:",
+            decoder_ttl_s=float(extra.get(vllm_pd.DECODER_KV_BLOCKS_TTL,
+                                          vllm_pd.DEFAULT_DECODER_KV_BLOCKS_TTL_S)),
+            prefill_timeout_s=timeout_s, decode_timeout_s=timeout_s,
+            stream_idle_timeout_s=timeout_s)
 
     @property
     def prefill_url(self) -> str:
@@ -336,8 +338,9 @@ class LocalPair(_Servers):
 
     # --- lifecycle -----------------------------------------------------------------------------
     def start(self) -> LocalPair:
-        if self.connector == "kvtune" and importlib.util.find_spec(KVTUNE_CONNECTOR_MODULE) is None:
-            raise LocalPairError(f"LocalPair: connector='kvtune' needs {KVTUNE_CONNECTOR_MODULE}, "
+        module = vllm_pd.KVTUNE_CONNECTOR_MODULE
+        if self.connector == "kvtune" and importlib.util.find_spec(module) is None:
+            raise LocalPairError(f"LocalPair: connector='kvtune' needs {module}, "
                                  "which is not importable here; use connector='vllm'")
         model_dir = self.model_dir or make_tiny_model(default_model_dir())
         self.workdir.mkdir(parents=True, exist_ok=True)
@@ -382,15 +385,38 @@ class LocalPair(_Servers):
                 self._call(srv, "warm-up", _body(list(WARMUP_PROMPT), 2, ignore_eos=True,
                                                  stream=False, kv_transfer_params=None),
                            {"X-Request-Id": f"kvtune-warmup-{srv.name}-{uuid.uuid4().hex[:8]}"})
-            if self.warmup_transfer:
-                self._leg_timeout_s = WARMUP_LEG_TIMEOUT_S
-                try:
+            self._leg_timeout_s = (WARMUP_LEG_TIMEOUT_S if self.warmup_transfer
+                                   else REQUEST_TIMEOUT_S)
+            try:
+                self._start_router()
+                if self.warmup_transfer:
                     self._warmup_transfers()
-                finally:
-                    del self._leg_timeout_s
+            finally:
+                del self._leg_timeout_s
+            assert self._router is not None
+            # The router reads its config per request: the warm-up's leg timeouts end here.
+            self._router.router.config = self.router_config()
         except BaseException:
             self.stop()
             raise
+
+    def _start_router(self) -> None:
+        config = self.router_config()
+        self._store = SqliteConversationStore(":memory:", params_ttl_s=config.params_ttl_s,
+                                              retention_s=config.state_retention_s)
+        self._router = RouterInThread(config, store=self._store, tracer=trace.NoOpTracer(),
+                                      on_leg=self._on_leg, trusted_client=True)
+        self._router.start()
+
+    def stop(self) -> None:
+        """Stop the pair's router and both servers (terminate, then kill); idempotent."""
+        if self._router is not None:
+            try:
+                self._router.stop()
+            except Exception:
+                _log.warning("LocalPair: stopping the router failed", exc_info=True)
+            self._router = None
+        super().stop()
 
     def _warmup_transfers(self) -> None:
         """P/D warm-up so that every NIXL handshake of this mode is done before the caller's
@@ -400,7 +426,8 @@ class LocalPair(_Servers):
         a loaded machine the first contact can fail with HTTP 500 (see ``kvtune/local/README.md``):
         retried here, bounded, each failure logged."""
         extra = self.kv_transfer_config("prefill")["kv_connector_extra_config"]
-        threshold = int(extra.get("kv_recompute_threshold", VLLM_DEFAULT_RECOMPUTE_THRESHOLD))
+        threshold = int(extra.get(vllm_pd.KV_RECOMPUTE_THRESHOLD,
+                                  vllm_pd.DEFAULT_KV_RECOMPUTE_THRESHOLD_TOKENS))
         # Turn 1's prompt (24 tokens) fills no 128-token block, so the prefill's own prefix cache
         # holds none of the history and it must pull prompt + output - 1 >= threshold tokens.
         turn1_tokens = min(max(threshold, 1) + 8, WARMUP_MAX_OUTPUT_TOKENS)
@@ -447,101 +474,88 @@ class LocalPair(_Servers):
             raise LocalPairError(f"complete: conversation applies to mode 'bidirectional', "
                                  f"this pair is {self.mode!r}")
         rid = request_id or f"kvtune-{uuid.uuid4().hex[:16]}"
-        if self.mode == "push":
-            return self._complete_push(prompt_field, max_tokens, rid, traceparent, ignore_eos)
-        return self._complete_pull(prompt_field, max_tokens, rid, conversation, traceparent,
-                                   ignore_eos)
-
-    def _complete_pull(self, prompt: list[int] | str, max_tokens: int, rid: str,
-                       conversation: str | None, traceparent: str | None,
-                       ignore_eos: bool) -> PairResult:
-        prefill, decode = self._require("prefill"), self._require("decode")
-        headers = _headers(rid, traceparent)
-        p_params: dict[str, Any] = {"do_remote_decode": True}
-        conv: tuple[str, int] | None = None
-        if conversation is not None:
-            with self._lock:
-                history = self._conversations.get(conversation)
-                turn = self._turns.get(conversation, 0) + 1
-                self._turns[conversation] = turn
-            conv = (conversation, turn)
-            if history is not None:
-                p_params = dict(history)  # the decode's retained blocks (do_remote_decode: true)
-        p = self._call(prefill, "prefill", _body(
-            prompt, 1, ignore_eos=ignore_eos, stream=False,
-            kv_transfer_params=_with_context(p_params, traceparent, conv)), headers)
-        if not p.kv_transfer_params:
-            raise LocalPairError(f"prefill leg of {rid}: expected kv_transfer_params in the "
-                                 f"response (is the KV connector loaded?), got {p.body!r}"[:2000]
-                                 + "\n" + self.logs())
-        stream = self.mode != "bidirectional"  # only non-streaming responses carry kv params
-        d = self._call(decode, "decode", _body(
-            prompt, max_tokens, ignore_eos=ignore_eos, stream=stream,
-            kv_transfer_params=_with_context(p.kv_transfer_params, traceparent, conv)), headers)
-        if conversation is not None:
-            with self._lock:
-                if d.kv_transfer_params:
-                    self._conversations[conversation] = dict(d.kv_transfer_params)
-                else:
-                    self._conversations.pop(conversation, None)
-        ttft = p.elapsed_ms + d.first_token_ms if d.first_token_ms is not None else None
-        return PairResult(text=d.text, token_ids=d.token_ids, request_id=rid,
-                          prefill_ms=p.elapsed_ms, decode_ms=d.elapsed_ms, ttft_ms=ttft,
-                          kv_transfer_params=p.kv_transfer_params,
-                          decode_kv_transfer_params=d.kv_transfer_params,
-                          prompt_token_ids=_prompt_ids(p.body))
-
-    def _complete_push(self, prompt: list[int] | str, max_tokens: int, rid: str,
-                       traceparent: str | None, ignore_eos: bool) -> PairResult:
-        prefill, decode = self._require("prefill"), self._require("decode")
-        headers = _headers(rid, traceparent)
-        d_params = {
-            "do_remote_prefill": True, "remote_engine_id": self.prefill_engine_id,
-            "remote_host": HOST, "remote_port": self.prefill_side_channel_port,
-            "tp_size": 1, "pp_size": 1, "remote_request_id": rid,
-        }
-        outcome: dict[str, Any] = {}
-
-        def prefill_leg() -> None:
-            try:
-                outcome["p"] = self._call(prefill, "prefill", _body(
-                    prompt, 1, ignore_eos=ignore_eos, stream=False,
-                    kv_transfer_params=_with_context({"do_remote_decode": True},
-                                                         traceparent)), headers)
-            except BaseException as exc:  # re-raised on the caller's thread
-                outcome["error"] = exc
-
-        t = threading.Thread(target=prefill_leg, name=f"kvtune-push-prefill-{rid}", daemon=True)
-        t.start()
+        url = self._router_url()
+        # Only non-streamed answers carry the decode's kv_transfer_params on vLLM 0.32 (see
+        # kvtune.vllm_pd.STREAMED_PARAMS_SINCE): bidirectional turns need them.
+        stream = self.mode != Mode.BIDIRECTIONAL.value
+        body = _body(prompt_field, max_tokens, ignore_eos=ignore_eos, stream=stream,
+                     kv_transfer_params=None)
+        watch = (self._watchdog.watch(f"{self.mode} {rid}") if self._watchdog is not None
+                 else contextlib.nullcontext())
         try:
-            d = self._call(decode, "decode", _body(
-                prompt, max_tokens, ignore_eos=ignore_eos, stream=True,
-                kv_transfer_params=_with_context(d_params, traceparent)), headers)
-        finally:
-            t.join(REQUEST_TIMEOUT_S + 10)
-        if "error" in outcome:
-            raise outcome["error"]
-        if "p" not in outcome:
-            raise LocalPairError(f"prefill leg of {rid}: no response within "
-                                 f"{REQUEST_TIMEOUT_S:.0f} s\n{self.logs()}")
-        p: client.CompletionResponse = outcome["p"]
-        return PairResult(text=d.text, token_ids=d.token_ids, request_id=rid,
-                          prefill_ms=p.elapsed_ms, decode_ms=d.elapsed_ms,
-                          ttft_ms=d.first_token_ms, kv_transfer_params=d_params,
-                          decode_kv_transfer_params=d.kv_transfer_params,
-                          prompt_token_ids=_prompt_ids(p.body))
+            with watch:
+                # Both legs go through the router: the client waits for both of them in turn.
+                r = client.complete(url, body, headers=_headers(rid, traceparent, conversation),
+                                    timeout_s=2 * self._leg_timeout_s)
+        except client.HttpError as exc:
+            raise self._failed(rid, exc) from exc
+        legs = self._take_legs(rid, self._leg_timeout_s)
+        p, d = legs.get("prefill"), legs.get("decode")
+        for leg, rec in (("prefill", p), ("decode", d)):
+            if rec is None or rec.error is not None:
+                why = (rec.error if rec is not None
+                       else f"no answer within {self._leg_timeout_s:.0f} s")
+                raise LocalPairError(f"{leg} leg of {rid}: {why}\n{self.logs()}")
+        assert p is not None and d is not None
+        push = self.mode == Mode.PUSH.value
+        return PairResult(
+            text=r.text, token_ids=r.token_ids, request_id=rid, prefill_ms=p.elapsed_ms,
+            decode_ms=d.elapsed_ms, ttft_ms=r.first_token_ms,
+            # pull/bidirectional: what the prefill returned (the decode was given it); push:
+            # what the decode was given.
+            kv_transfer_params=_without_context(d.sent_kv_transfer_params if push
+                                                else p.kv_transfer_params),
+            decode_kv_transfer_params=r.kv_transfer_params,
+            prompt_token_ids=_prompt_ids(p.answer or {}))
+
+    def _router_url(self) -> str:
+        self._require("prefill")
+        self._require("decode")
+        if self._router is None:
+            raise LocalPairError("LocalPair: router not running (use 'with LocalPair(...)')")
+        return self._router.url
+
+    def _on_leg(self, record: LegRecord) -> None:
+        """The router's ``on_leg`` observer (on the router's thread)."""
+        with self._legs_changed:
+            self._legs.setdefault(record.request_id, {})[record.leg] = record
+            while len(self._legs) > MAX_UNCLAIMED_LEGS:  # legs of requests that failed first
+                self._legs.pop(next(iter(self._legs)))
+            self._legs_changed.notify_all()
+
+    def _take_legs(self, rid: str, timeout_s: float) -> dict[str, LegRecord]:
+        """The records of ``rid``'s legs, once both are in (or ``timeout_s`` passed)."""
+        with self._legs_changed:
+            self._legs_changed.wait_for(lambda: len(self._legs.get(rid, ())) == 2, timeout_s)
+            return self._legs.pop(rid, {})
+
+    def _failed(self, rid: str, exc: client.HttpError) -> LocalPairError:
+        """The error for a request the router answered with an error: names the failed leg and
+        server (from the router's leg records, else its JSON error) and appends the logs."""
+        failed = [r for r in self._take_legs(rid, 0.0).values() if r.error is not None]
+        leg = failed[0].leg if failed else None
+        if leg is None:
+            try:
+                leg = json.loads(exc.body)["error"].get("leg")
+            except (ValueError, KeyError, TypeError, AttributeError):
+                leg = None
+        srv = self.prefill if leg == "prefill" else self.decode if leg == "decode" else None
+        if srv is None:
+            return LocalPairError(f"request {rid} through the pair's router: expected HTTP 200 "
+                                  f"with a completion; {exc}\n{self.logs()}")
+        exited = srv.exited()
+        state = f" (server exited with code {exited})" if exited is not None else ""
+        return LocalPairError(f"{leg} leg to {srv.name} ({srv.url}){state}: expected HTTP 200 "
+                              f"with a completion; {exc}\n{self.logs()}")
 
     def forget(self, conversation: str) -> None:
         """Drop what the pair holds for ``conversation`` (its next turn starts fresh)."""
-        with self._lock:
-            self._conversations.pop(conversation, None)
-            self._turns.pop(conversation, None)
+        if self._store is not None:
+            self._store.forget(conversation)
 
     def conversation_params(self, conversation: str) -> dict[str, Any] | None:
         """The decode's retained-block params stored for ``conversation`` (bidirectional)."""
-        with self._lock:
-            params = self._conversations.get(conversation)
-        return dict(params) if params is not None else None
+        return self._store.peek_params(conversation) if self._store is not None else None
 
     # --- evidence ------------------------------------------------------------------------------
     def decode_prompt_sources(self) -> PromptTokenSources:
@@ -551,6 +565,13 @@ class LocalPair(_Servers):
     def prefill_prompt_sources(self) -> PromptTokenSources:
         """The prefill server's cumulative prompt tokens by source (from its ``/metrics``)."""
         return prompt_token_sources(self.prefill_url)
+
+
+def _without_context(params: Mapping[str, Any] | None) -> dict[str, Any] | None:
+    """``params`` without kvtune's per-request carriers (traceparent, conversation, turn)."""
+    if params is None:
+        return None
+    return {k: v for k, v in params.items() if k not in vllm_pd.CONTEXT_KEYS}
 
 
 def _prompt_ids(body: Mapping[str, Any]) -> tuple[int, ...]:

@@ -31,9 +31,9 @@ from kvtune.analysis.workload import TracedRequest, Workload
 from kvtune.errors import SimError
 from kvtune.recommend.evidence import ModeEvidence, TtftMs
 from kvtune.recommend.results import NEVER, Finding, Recommendation
-from kvtune.recommend.ttl import router_margin_s
 from kvtune.sim.calibrate import SimInput
 from kvtune.sim.estimate import calibrate, ttft_per_mode
+from kvtune.vllm_pd import router_margin_s
 
 logger = logging.getLogger(__name__)
 

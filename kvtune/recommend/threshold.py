@@ -17,8 +17,9 @@ from kvtune.analysis.fit import FloorFit
 from kvtune.analysis.prefill import PrefillCost
 from kvtune.recommend.evidence import ThresholdEvidence
 from kvtune.recommend.results import NEVER, Finding, Recommendation
+from kvtune.vllm_pd import KV_RECOMPUTE_THRESHOLD
 
-NAME = "kv_recompute_threshold"
+NAME = KV_RECOMPUTE_THRESHOLD
 UNIT = "tokens"
 
 

@@ -17,26 +17,18 @@ import numpy as np
 from kvtune.analysis.workload import Workload
 from kvtune.recommend.evidence import TtlEvidence
 from kvtune.recommend.results import Finding, Recommendation
+from kvtune.vllm_pd import DECODER_KV_BLOCKS_TTL, decoder_ttl_for_router_ttl_s, router_margin_s
 
-NAME = "decoder_kv_blocks_ttl"
+NAME = DECODER_KV_BLOCKS_TTL
 UNIT = "s"
 GAP_SLACK_SHARE = 0.1
 """The router TTL covers the longest reusable gap plus 10% (the next day's gaps are not these)."""
-ROUTER_MARGIN_S = 30.0
-"""Router's margin below the decode's TTL (kvtune.router's default: handshake time and clocks)."""
-ROUTER_MARGIN_SHARE = 0.25
-"""...but at most this share of the TTL, so short TTLs keep a usable router TTL."""
 PEAK_TO_MEAN = 2.0
 """Retained HBM is bursty (arrivals cluster); budget for twice the Little's-law mean."""
 NO_MULTI_TURN_TTL_S = 0
 """TTL when no conversation has a second turn: retain nothing."""
 N_BOOT = 200
 CI = (2.5, 97.5)
-
-
-def router_margin_s(ttl_s: float) -> float:
-    """The router's margin below a decode TTL of ``ttl_s``."""
-    return min(ROUTER_MARGIN_S, ROUTER_MARGIN_SHARE * ttl_s)
 
 
 def retained_gb(ttl_s: float, gaps_s: np.ndarray, gap_tokens: np.ndarray,
@@ -55,7 +47,7 @@ def _ttl_for(gaps: np.ndarray, toks: np.ndarray, finals: np.ndarray, threshold: 
     if not reusable.any():
         return float(NO_MULTI_TURN_TTL_S), float(NO_MULTI_TURN_TTL_S), math.inf
     router_ttl = float(gaps[reusable].max()) * (1.0 + GAP_SLACK_SHARE)
-    want = router_ttl + min(ROUTER_MARGIN_S, ROUTER_MARGIN_SHARE / (1 - ROUTER_MARGIN_SHARE) * router_ttl)
+    want = decoder_ttl_for_router_ttl_s(router_ttl)
 
     def mem(t: float) -> float:
         return PEAK_TO_MEAN * retained_gb(t, gaps, toks, finals, bytes_per_token, duration_s)

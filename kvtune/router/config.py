@@ -45,22 +45,13 @@ from urllib.parse import urlsplit
 
 from kvtune.errors import ConfigError
 from kvtune.spans import Mode
+from kvtune.vllm_pd import DEFAULT_DECODER_KV_BLOCKS_TTL_S, router_margin_s
 
 ROUTER_MODES: tuple[Mode, ...] = (Mode.PULL, Mode.PUSH, Mode.BIDIRECTIONAL)
 """Modes the router serves (``Mode.PROBE`` is not a routing mode)."""
 
-DEFAULT_DECODER_TTL_S = 480.0
+DEFAULT_DECODER_TTL_S = float(DEFAULT_DECODER_KV_BLOCKS_TTL_S)
 """vLLM's default ``decoder_kv_blocks_ttl`` (NIXL connector, bidirectional mode)."""
-DEFAULT_MARGIN_S = 30.0
-"""Stored params expire this long before the decode frees the blocks: covers the router->prefill
-->decode handshake time and clock differences, so the prefill never asks for freed blocks."""
-DEFAULT_MARGIN_SHARE = 0.25
-"""...but by default at most this share of the TTL, so a short TTL keeps a usable router TTL."""
-
-
-def default_margin_s(decoder_ttl_s: float) -> float:
-    """The margin used when none is configured: ``min(30 s, decoder_ttl_s / 4)``."""
-    return min(DEFAULT_MARGIN_S, DEFAULT_MARGIN_SHARE * decoder_ttl_s)
 
 
 @dataclass(frozen=True)
@@ -92,7 +83,8 @@ class RouterConfig:
     state: str = "sqlite:router-state.db"
     decoder_ttl_s: float = DEFAULT_DECODER_TTL_S
     margin_s: float | None = None
-    """None: :func:`default_margin_s` of ``decoder_ttl_s`` (set in ``__post_init__``)."""
+    """None: :func:`kvtune.vllm_pd.router_margin_s` of ``decoder_ttl_s`` (set in
+    ``__post_init__``): stored params expire this long before the decode frees the blocks."""
     state_retention_s: float = 86400.0
     max_body_bytes: int = 8 * 1024 * 1024
     max_connections: int = 1024
@@ -105,7 +97,7 @@ class RouterConfig:
 
     def __post_init__(self) -> None:
         if self.margin_s is None and isinstance(self.decoder_ttl_s, (int, float)):
-            object.__setattr__(self, "margin_s", default_margin_s(self.decoder_ttl_s))
+            object.__setattr__(self, "margin_s", router_margin_s(self.decoder_ttl_s))
         _validate(self)
 
     @property

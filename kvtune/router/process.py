@@ -12,14 +12,18 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from opentelemetry import trace
 
 from kvtune.errors import RouterError
 from kvtune.router.config import RouterConfig, write_config
 from kvtune.router.state import ConversationStore
+
+if TYPE_CHECKING:
+    from kvtune.router.server import LegRecord
 
 START_TIMEOUT_S = 60.0
 """How long :meth:`RouterProcess.start` waits for the router to answer ``/health``."""
@@ -131,12 +135,16 @@ class RouterProcess:
 
 class RouterInThread:
     """The router in this process on a background event loop (for tests and benchmarks that need
-    its spans in memory). ``config.port`` 0 picks a free port."""
+    its spans in memory, and :class:`kvtune.local.pair.LocalPair`). ``config.port`` 0 picks a free
+    port; ``on_leg`` and ``trusted_client``: see :class:`kvtune.router.server.Router`."""
 
     def __init__(self, config: RouterConfig, *, store: ConversationStore | None = None,
-                 tracer: trace.Tracer | None = None) -> None:
+                 tracer: trace.Tracer | None = None,
+                 on_leg: Callable[[LegRecord], None] | None = None,
+                 trusted_client: bool = False) -> None:
         from kvtune.router.server import Router
-        self.router = Router(config, store=store, tracer=tracer)
+        self.router = Router(config, store=store, tracer=tracer, on_leg=on_leg,
+                             trusted_client=trusted_client)
         self.url = ""
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None

@@ -11,11 +11,11 @@ upstream), the W3C ``traceparent`` header, and the same traceparent inside
 ``spans.KV_PARAMS_CONVERSATION_ID`` / ``spans.KV_PARAMS_TURN`` when the request names a conversation):
 
 - **pull**: prefill (least loaded) with ``max_tokens: 1``, ``stream: false`` and
-  ``kv_transfer_params: {"do_remote_decode": true}``; then the decode, chosen only now by load,
+  ``kv_transfer_params: {do_remote_decode: true}``; then the decode, chosen only now by load,
   gets the client's request with the ``kv_transfer_params`` the prefill returned.
 - **push**: prefill and decode chosen up front and both legs started together; the decode gets
-  ``{"do_remote_prefill": true, "remote_engine_id", "remote_host", "remote_port", "tp_size",
-  "pp_size", "remote_request_id"}`` naming the prefill (from its config) and the shared request id.
+  ``do_remote_prefill: true`` with the prefill named up front (from its config: engine id, NIXL
+  side channel, TP/PP sizes) and the shared request id.
 - **bidirectional**: pull, plus the ``kv_transfer_params`` the decode returns at the end of each turn
   are stored per conversation and sent as the next turn's prefill ``kv_transfer_params`` (the prefill
   then pulls the conversation's history back from the decode). Params are handed out once (even
@@ -27,6 +27,8 @@ upstream), the W3C ``traceparent`` header, and the same traceparent inside
   ``kv.router.stream_params_absent``) and counts such turns in ``/health``.
   A failing conversation store never fails the request: the turn is served without history and a
   ``kv.router.state_error`` span event says why.
+
+The parameters of each leg are built by :mod:`kvtune.vllm_pd` (the protocol's one home).
 
 The conversation id comes from the body field ``conversation_id`` (removed before forwarding) or
 the header ``spans.CONVERSATION_HEADER``. Bad input (not JSON, too deep, a conversation id that is
@@ -67,7 +69,7 @@ from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.trace import Link, SpanKind, Status, StatusCode
 
-from kvtune import spans
+from kvtune import spans, vllm_pd
 from kvtune.errors import RouterError
 from kvtune.router.config import InstanceConfig, RouterConfig
 from kvtune.router.pool import InstancePool
@@ -118,6 +120,30 @@ class UpstreamError(RouterError):
         return self.status if self.status is not None and 400 <= self.status < 500 else 502
 
 
+@dataclass(frozen=True)
+class LegRecord:
+    """One leg of a proxied request, as a :class:`Router`'s ``on_leg`` observer is told it (once the
+    leg's answer is complete, or it failed)."""
+
+    request_id: str
+    """The legs' ``X-Request-Id`` (the router's id of the request)."""
+    leg: str
+    """``prefill`` or ``decode``."""
+    instance: str
+    """The instance's URL."""
+    elapsed_ms: float
+    """Leg sent -> complete answer (a streamed decode: -> its ``data: [DONE]``, else the end of
+    its stream)."""
+    sent_kv_transfer_params: dict[str, Any] | None
+    """The ``kv_transfer_params`` the leg was sent."""
+    answer: dict[str, Any] | None
+    """The leg's JSON answer (None for a streamed decode, or when it failed)."""
+    kv_transfer_params: dict[str, Any] | None
+    """The ``kv_transfer_params`` the leg answered with (a streamed decode: from its SSE)."""
+    error: str | None = None
+    """Why the leg failed, or None."""
+
+
 @dataclass
 class _Call:
     """What one proxied request found out (becomes the ``kv.request`` attributes)."""
@@ -141,6 +167,8 @@ class _Call:
     error_message: str | None = None
     events: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
     """Span events to add to ``kv.request`` (name, attributes)."""
+    stream_sent: tuple[float, dict[str, Any] | None] | None = None
+    """When the streamed decode leg was sent, and its ``kv_transfer_params``."""
 
     def first_token(self) -> None:
         if self.ttft_ms is None:
@@ -228,8 +256,8 @@ class _SseWatcher:
             return False
         if "error" in event:
             self.error = event["error"]
-        if isinstance(event.get("kv_transfer_params"), dict):
-            self.kv_transfer_params = event["kv_transfer_params"]
+        if isinstance(event.get(vllm_pd.KV_TRANSFER_PARAMS), dict):
+            self.kv_transfer_params = event[vllm_pd.KV_TRANSFER_PARAMS]
         usage = event.get("usage")
         if isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):
             self.usage_completion_tokens = usage["completion_tokens"]
@@ -362,11 +390,22 @@ class _ConnectionGuard:
 
 class Router:
     """The proxy: build it from a :class:`RouterConfig`, then :meth:`start` / :meth:`stop` it on a
-    running event loop (or use :func:`serve`). ``tracer`` defaults to the global tracer provider's."""
+    running event loop (or use :func:`serve`). ``tracer`` defaults to the global tracer provider's.
+
+    For a program that embeds the router and is its only client (:class:`kvtune.local.pair.
+    LocalPair`): ``on_leg`` is called with a :class:`LegRecord` as each leg ends (on the router's
+    event loop; it must not block, and its exceptions are logged, not raised), and
+    ``trusted_client=True`` makes the client's own ``X-Request-Id`` the legs' request id (the
+    client must make it unique) and, when the router has no trace context of its own (tracing
+    off), passes the client's ``traceparent`` to the legs as it is."""
 
     def __init__(self, config: RouterConfig, *, store: ConversationStore | None = None,
-                 tracer: trace.Tracer | None = None) -> None:
+                 tracer: trace.Tracer | None = None,
+                 on_leg: Callable[[LegRecord], None] | None = None,
+                 trusted_client: bool = False) -> None:
         self.config = config
+        self.on_leg = on_leg
+        self.trusted_client = trusted_client
         self.store = store if store is not None else open_store(
             config.state, params_ttl_s=config.params_ttl_s, retention_s=config.state_retention_s)
         self.tracer = tracer if tracer is not None else trace.get_tracer(TRACER_NAME)
@@ -510,6 +549,8 @@ class Router:
                 ids[REQUEST_ID_HEADER] = client_id  # echo it when it is itself valid
             return _error_json(exc.status, str(exc), kind=exc.kind, headers=ids)
         body = parsed.body
+        if self.trusted_client and parsed.client_request_id:
+            request_id = parsed.client_request_id
         call = _Call(request_id=request_id, endpoint=endpoint, stream=parsed.stream,
                      conversation_id=parsed.conversation_id,
                      client_request_id=parsed.client_request_id)
@@ -586,6 +627,9 @@ class Router:
             else:
                 call.turn = start.turn
         traceparent = current_traceparent()
+        if traceparent is None and self.trusted_client \
+                and client_span_context(request.headers) is not None:
+            traceparent = request.headers[TRACEPARENT_HEADER]
         headers = {REQUEST_ID_HEADER: call.request_id, **self._forward_headers(request)}
         if traceparent:
             headers[TRACEPARENT_HEADER] = traceparent
@@ -605,7 +649,7 @@ class Router:
         out["stream"] = False
         for key in ("stream_options", "min_tokens"):
             out.pop(key, None)
-        out["kv_transfer_params"] = kv_params
+        out[vllm_pd.KV_TRANSFER_PARAMS] = kv_params
         return out
 
     @staticmethod
@@ -613,19 +657,41 @@ class Router:
                           call: _Call) -> dict[str, Any]:
         """``params`` plus the request's traceparent, conversation id and turn (for the
         connectors' spans); values echoed back from an earlier turn are replaced."""
-        out = {k: v for k, v in params.items()
-               if k not in (spans.KV_PARAMS_TRACEPARENT, spans.KV_PARAMS_CONVERSATION_ID,
-                            spans.KV_PARAMS_TURN)}
-        if traceparent:
-            out[spans.KV_PARAMS_TRACEPARENT] = traceparent
-        if call.conversation_id is not None:
-            out[spans.KV_PARAMS_CONVERSATION_ID] = call.conversation_id
-        if call.turn is not None:
-            out[spans.KV_PARAMS_TURN] = call.turn
-        return out
+        return vllm_pd.with_context(params, traceparent=traceparent,
+                                    conversation_id=call.conversation_id, turn=call.turn)
 
     async def _post_json(self, leg: str, inst: InstanceConfig, path: str, body: Mapping[str, Any],
                          headers: Mapping[str, str], total_s: float) -> dict[str, Any]:
+        t0 = time.perf_counter()
+        try:
+            parsed = await self._post_json_once(leg, inst, path, body, headers, total_s)
+        except UpstreamError as exc:
+            self._observe(leg, inst, headers, t0, body, None, None, exc.reason)
+            raise
+        returned = parsed.get(vllm_pd.KV_TRANSFER_PARAMS)
+        self._observe(leg, inst, headers, t0, body, parsed,
+                      returned if isinstance(returned, dict) else None)
+        return parsed
+
+    def _observe(self, leg: str, inst: InstanceConfig, headers: Mapping[str, str], t0: float,
+                 body: Mapping[str, Any] | None, answer: dict[str, Any] | None,
+                 returned: dict[str, Any] | None, error: str | None = None) -> None:
+        """Tell ``on_leg`` about a leg that ended (never raises)."""
+        if self.on_leg is None:
+            return
+        sent = body.get(vllm_pd.KV_TRANSFER_PARAMS) if body is not None else None
+        try:
+            self.on_leg(LegRecord(
+                request_id=headers.get(REQUEST_ID_HEADER, ""), leg=leg, instance=inst.url,
+                elapsed_ms=(time.perf_counter() - t0) * 1000.0,
+                sent_kv_transfer_params=dict(sent) if isinstance(sent, Mapping) else None,
+                answer=answer, kv_transfer_params=returned, error=error))
+        except Exception:
+            _logger.warning("the router's on_leg observer failed", exc_info=True)
+
+    async def _post_json_once(self, leg: str, inst: InstanceConfig, path: str,
+                              body: Mapping[str, Any], headers: Mapping[str, str],
+                              total_s: float) -> dict[str, Any]:
         assert self._session is not None
         timeout = aiohttp.ClientTimeout(total=total_s, sock_connect=self.config.connect_timeout_s)
         try:
@@ -650,9 +716,23 @@ class Router:
         return parsed
 
     async def _open_stream(self, leg: str, inst: InstanceConfig, path: str,
-                           body: Mapping[str, Any],
-                           headers: Mapping[str, str]) -> aiohttp.ClientResponse:
-        """POST and return the open response once its status is 200 (caller releases it)."""
+                           body: Mapping[str, Any], headers: Mapping[str, str],
+                           call: _Call) -> aiohttp.ClientResponse:
+        """POST and return the open response once its status is 200 (caller releases it and,
+        through :meth:`_relay_stream`, tells ``on_leg`` when the stream ends)."""
+        t0 = time.perf_counter()
+        try:
+            resp = await self._open_stream_once(leg, inst, path, body, headers)
+        except UpstreamError as exc:
+            self._observe(leg, inst, headers, t0, body, None, None, exc.reason)
+            raise
+        sent = body.get(vllm_pd.KV_TRANSFER_PARAMS)
+        call.stream_sent = (t0, dict(sent) if isinstance(sent, Mapping) else None)
+        return resp
+
+    async def _open_stream_once(self, leg: str, inst: InstanceConfig, path: str,
+                                body: Mapping[str, Any],
+                                headers: Mapping[str, str]) -> aiohttp.ClientResponse:
         assert self._session is not None
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.config.connect_timeout_s,
                                         sock_read=self.config.stream_idle_timeout_s)
@@ -688,6 +768,19 @@ class Router:
         it sees them finds this turn's state already stored."""
         watcher = _SseWatcher()
         done_called = on_done is None
+        observed = call.stream_sent is None
+
+        def observe(error: str | None = None) -> None:
+            """Tell ``on_leg`` the decode leg ended: at ``data: [DONE]`` (before the client can
+            see it and go away), else when the stream ends."""
+            nonlocal observed
+            if observed or call.stream_sent is None:
+                return
+            observed = True
+            t0, sent = call.stream_sent
+            self._observe("decode", inst, {REQUEST_ID_HEADER: call.request_id}, t0,
+                          {vllm_pd.KV_TRANSFER_PARAMS: sent} if sent is not None else None, None,
+                          watcher.kv_transfer_params, error)
         out = web.StreamResponse(status=200, headers={
             "Content-Type": upstream.headers.get("Content-Type", "text/event-stream"),
             "Cache-Control": "no-cache", **call.response_headers()})
@@ -701,6 +794,8 @@ class Router:
                         done_called = True
                         assert on_done is not None
                         await on_done(watcher)
+                    if watcher.done:
+                        observe(None if watcher.error is None else str(watcher.error)[:500])
                     await out.write(chunk)
                 if not done_called:
                     done_called = True
@@ -727,6 +822,7 @@ class Router:
         if watcher.error is not None and call.error_type is None:
             call.error_type, call.error_message = "UpstreamStreamError", str(watcher.error)[:500]
         call.output_tokens = watcher.output_tokens
+        observe(call.error_message)
         return out, watcher
 
     # --- modes ------------------------------------------------------------------------------------
@@ -734,13 +830,11 @@ class Router:
                     headers: dict[str, str], traceparent: str | None,
                     reuse: Mapping[str, Any] | None) -> web.StreamResponse:
         cfg = self.config
-        kv_params: dict[str, Any] = {"do_remote_decode": True}
+        # Bidirectional reuse: the decode's params of the previous turn (its block ids,
+        # remote_num_tokens ...): the prefill pulls the history back from the decode.
+        kv_params = vllm_pd.prefill_leg_params(reuse)
         if reuse:
-            # Bidirectional: the decode's params of the previous turn (do_remote_decode, its block
-            # ids, remote_num_tokens ...): the prefill pulls the history back from the decode.
-            kv_params = {**reuse, "do_remote_decode": True}
-            remote_tokens = reuse.get("remote_num_tokens")
-            call.remote_tokens = remote_tokens if isinstance(remote_tokens, int) else None
+            call.remote_tokens = vllm_pd.offered_tokens(reuse)
         p_idx = self.prefill.choose()
         with self.prefill.lease(p_idx) as p_inst:
             call.prefill_url = p_inst.url
@@ -755,19 +849,20 @@ class Router:
         if not call.stream:
             call.first_token()  # non-streaming TTFT: the prefill's one token exists now
         call.prompt_tokens = _usage(p_resp, "prompt_tokens")
-        returned = p_resp.get("kv_transfer_params")
+        returned = p_resp.get(vllm_pd.KV_TRANSFER_PARAMS)
         if not isinstance(returned, dict):
             raise UpstreamError("prefill", p_inst.url, "answer carries no kv_transfer_params (is the "
                                 "instance started with a kv_producer NIXL connector?)")
         d_body = dict(body)
-        d_body["kv_transfer_params"] = self._with_traceparent(returned, traceparent, call)
+        d_body[vllm_pd.KV_TRANSFER_PARAMS] = self._with_traceparent(
+            vllm_pd.pull_decode_leg_params(returned), traceparent, call)
         d_idx = self.decode.choose()  # late: the decode is chosen by load only now
         with self.decode.lease(d_idx) as d_inst:
             call.decode_url = d_inst.url
             try:
                 if call.stream:
                     upstream = await self._open_stream("decode", d_inst, call.endpoint, d_body,
-                                                       headers)
+                                                       headers, call)
                     async def turn_done(watcher: _SseWatcher) -> None:
                         await self._remember(call, watcher.kv_transfer_params, d_inst)
                         self._count_stream_params(call, watcher, d_inst)
@@ -783,14 +878,14 @@ class Router:
         call.output_tokens = _usage(d_resp, "completion_tokens")
         if call.prompt_tokens is None:
             call.prompt_tokens = _usage(d_resp, "prompt_tokens")
-        await self._remember(call, d_resp.get("kv_transfer_params"), d_inst)
+        await self._remember(call, d_resp.get(vllm_pd.KV_TRANSFER_PARAMS), d_inst)
         return web.json_response(d_resp, headers=call.response_headers())
 
     async def _remember(self, call: _Call, params: Any, inst: InstanceConfig) -> None:
         """Bidirectional: store the decode's returned params for the conversation's next turn."""
         if self.config.mode != spans.Mode.BIDIRECTIONAL or call.conversation_id is None:
             return
-        if isinstance(params, dict) and params.get("remote_block_ids"):
+        if isinstance(params, dict) and vllm_pd.holds_blocks(params):
             try:
                 await asyncio.to_thread(self.store.store_params, call.conversation_id, params,
                                         inst.url)
@@ -828,19 +923,20 @@ class Router:
         with self.prefill.lease(p_idx) as p_inst, self.decode.lease(d_idx) as d_inst:
             call.prefill_url, call.decode_url = p_inst.url, d_inst.url
             p_body = self._prefill_body(
-                body, self._with_traceparent({"do_remote_decode": True}, traceparent, call),
+                body, self._with_traceparent(vllm_pd.prefill_leg_params(), traceparent, call),
                 call.endpoint)
+            assert p_inst.engine_id is not None and p_inst.kv_port is not None  # config checks
             d_body = dict(body)
-            d_body["kv_transfer_params"] = self._with_traceparent({
-                "do_remote_prefill": True, "remote_engine_id": p_inst.engine_id,
-                "remote_host": p_inst.side_channel_host, "remote_port": p_inst.kv_port,
-                "tp_size": p_inst.tp_size, "pp_size": p_inst.pp_size,
-                "remote_request_id": call.request_id}, traceparent, call)
+            d_body[vllm_pd.KV_TRANSFER_PARAMS] = self._with_traceparent(
+                vllm_pd.push_decode_leg_params(
+                    engine_id=p_inst.engine_id, host=p_inst.side_channel_host, port=p_inst.kv_port,
+                    request_id=call.request_id, tp_size=p_inst.tp_size, pp_size=p_inst.pp_size),
+                traceparent, call)
             prefill_task = asyncio.create_task(self._post_json(
                 "prefill", p_inst, call.endpoint, p_body, headers, cfg.prefill_timeout_s))
             if call.stream:
                 decode_task: asyncio.Task[Any] = asyncio.create_task(
-                    self._open_stream("decode", d_inst, call.endpoint, d_body, headers))
+                    self._open_stream("decode", d_inst, call.endpoint, d_body, headers, call))
             else:
                 decode_task = asyncio.create_task(self._post_json(
                     "decode", d_inst, call.endpoint, d_body, headers, cfg.decode_timeout_s))
@@ -892,9 +988,12 @@ class Router:
             raise
 
     async def _settle_prefill(self, task: asyncio.Task[Any], call: _Call) -> dict[str, Any] | None:
-        """The push prefill's answer; its failure after the decode answered is recorded only."""
+        """The push prefill's answer; its failure after the decode answered is recorded only.
+        Shielded: a client that goes away once its stream is complete does not abort the prefill
+        leg (it runs to its end, as it does when the client goes away mid-stream)."""
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())  # always retrieved
         try:
-            result = await task
+            result = await asyncio.shield(task)
         except UpstreamError as exc:
             if call.error_type is None:
                 call.error_type, call.error_message = type(exc).__name__, str(exc)

@@ -192,6 +192,26 @@ class SqliteConversationStore:
                 "UPDATE conversations SET kv_params = NULL, decode_instance = NULL,"
                 " params_expires_at = NULL WHERE conversation_id = ?", (conversation_id,))
 
+    def peek_params(self, conversation_id: str) -> dict[str, Any] | None:
+        """The stored, unexpired params of ``conversation_id`` without handing them out (for a
+        program that embeds the router and shows what its next turn will be offered)."""
+        check_conversation_id(conversation_id)
+        with self._lock, self._errors("peek_params"):
+            row = self._db.execute(
+                "SELECT kv_params, params_expires_at FROM conversations WHERE conversation_id = ?",
+                (conversation_id,)).fetchone()
+        if row is None or row[0] is None or row[1] is None or row[1] <= self._clock():
+            return None
+        params = json.loads(row[0])
+        return params if isinstance(params, dict) else None
+
+    def forget(self, conversation_id: str) -> None:
+        """Drop ``conversation_id`` (turn counter and params): its next turn is its first."""
+        check_conversation_id(conversation_id)
+        with self._lock, self._errors("forget"):
+            self._db.execute("DELETE FROM conversations WHERE conversation_id = ?",
+                             (conversation_id,))
+
     @contextmanager
     def _errors(self, operation: str) -> Iterator[None]:
         try:

@@ -31,6 +31,7 @@ from typing import Any, TypeVar
 from aiohttp import web
 from multidict import CIMultiDict, CIMultiDictProxy
 
+from kvtune import vllm_pd as pd
 from kvtune.router.config import InstanceConfig
 
 T = TypeVar("T")
@@ -176,53 +177,53 @@ class StandInVllmServer:
     def _kv_params(self, request_id: str, tokens: int, *, decode_side: bool) -> dict[str, Any]:
         n_blocks = max(1, -(-tokens // 16))
         return {
-            "do_remote_prefill": not decode_side, "do_remote_decode": decode_side,
-            "remote_block_ids": [[next(self.ledger.blocks) for _ in range(n_blocks)]],
-            "remote_engine_id": self.engine_id, "remote_request_id": request_id,
-            "remote_host": "127.0.0.1", "remote_port": self.kv_port, "tp_size": 1, "pp_size": 1,
-            "remote_num_tokens": tokens,
-            "remote_blocks_expiry_time": (time.perf_counter() + self.decoder_ttl_s
-                                          if decode_side else None)}
+            pd.DO_REMOTE_PREFILL: not decode_side, pd.DO_REMOTE_DECODE: decode_side,
+            pd.REMOTE_BLOCK_IDS: [[next(self.ledger.blocks) for _ in range(n_blocks)]],
+            pd.REMOTE_ENGINE_ID: self.engine_id, pd.REMOTE_REQUEST_ID: request_id,
+            pd.REMOTE_HOST: "127.0.0.1", pd.REMOTE_PORT: self.kv_port, pd.TP_SIZE: 1,
+            pd.PP_SIZE: 1, pd.REMOTE_NUM_TOKENS: tokens,
+            pd.REMOTE_BLOCKS_EXPIRY_TIME: (time.perf_counter() + self.decoder_ttl_s
+                                           if decode_side else None)}
 
     async def _prefill(self, request: web.Request, body: dict[str, Any],
                        params: dict[str, Any]) -> web.Response:
-        if not params.get("do_remote_decode"):
+        if not params.get(pd.DO_REMOTE_DECODE):
             return self._reject(request, body, 400, "prefill expects do_remote_decode")
         if body.get("max_tokens") != 1 or body.get("stream"):
             return self._reject(request, body, 400, "prefill leg expects max_tokens 1, no stream")
         words = _prompt_words(request.path, body)
         pulled = 0
-        if params.get("remote_block_ids"):  # bidirectional: the decode's retained history
-            held = self.ledger.retained.pop(str(params.get("remote_request_id")), None)
-            if held is None or held.get("remote_block_ids") != params["remote_block_ids"]:
+        if params.get(pd.REMOTE_BLOCK_IDS):  # bidirectional: the decode's retained history
+            held = self.ledger.retained.pop(str(params.get(pd.REMOTE_REQUEST_ID)), None)
+            if held is None or held.get(pd.REMOTE_BLOCK_IDS) != params[pd.REMOTE_BLOCK_IDS]:
                 return self._reject(request, body, 400, "decode blocks not retained (expired, "
                                     "consumed or never issued)")
-            pulled = min(int(params.get("remote_num_tokens") or 0), len(words))
+            pulled = min(int(params.get(pd.REMOTE_NUM_TOKENS) or 0), len(words))
         rid = request.headers.get("X-Request-Id", f"standin-{id(body)}")
         returned = self._kv_params(f"cmpl-{rid}-0", len(words), decode_side=False)
-        self.ledger.issued[returned["remote_request_id"]] = returned
+        self.ledger.issued[returned[pd.REMOTE_REQUEST_ID]] = returned
         self.ledger.push_event(rid).set()  # push: the KV is "written"
         self._record(request, body, 200, returned, pulled)
         return web.json_response(self._answer(request.path, rid, ["P"], len(words), returned))
 
     async def _decode(self, request: web.Request, body: dict[str, Any],
                       params: dict[str, Any]) -> web.StreamResponse:
-        if not params.get("do_remote_prefill"):
+        if not params.get(pd.DO_REMOTE_PREFILL):
             return self._reject(request, body, 400, "decode expects do_remote_prefill")
         rid = request.headers.get("X-Request-Id", f"standin-{id(body)}")
-        if params.get("remote_block_ids") is None:  # push: wait for the named prefill's write
-            missing = [k for k in ("remote_engine_id", "remote_host", "remote_port", "tp_size",
-                                   "pp_size", "remote_request_id") if params.get(k) is None]
+        if params.get(pd.REMOTE_BLOCK_IDS) is None:  # push: wait for the named prefill's write
+            missing = [k for k in (pd.REMOTE_ENGINE_ID, pd.REMOTE_HOST, pd.REMOTE_PORT, pd.TP_SIZE,
+                                   pd.PP_SIZE, pd.REMOTE_REQUEST_ID) if params.get(k) is None]
             if missing:
                 return self._reject(request, body, 400, f"push decode params lack {missing}")
             try:
-                await asyncio.wait_for(self.ledger.push_event(str(params["remote_request_id"]))
+                await asyncio.wait_for(self.ledger.push_event(str(params[pd.REMOTE_REQUEST_ID]))
                                        .wait(), PUSH_WAIT_S)
             except asyncio.TimeoutError:
                 return self._reject(request, body, 504, "push: the prefill never wrote the KV")
         else:  # pull: read the blocks the prefill issued, once
-            issued = self.ledger.issued.pop(str(params.get("remote_request_id")), None)
-            if issued is None or issued.get("remote_block_ids") != params["remote_block_ids"]:
+            issued = self.ledger.issued.pop(str(params.get(pd.REMOTE_REQUEST_ID)), None)
+            if issued is None or issued.get(pd.REMOTE_BLOCK_IDS) != params[pd.REMOTE_BLOCK_IDS]:
                 return self._reject(request, body, 400, "prefill blocks unknown or already read")
         words = _prompt_words(request.path, body)
         n_out = int(body.get("max_completion_tokens") or body.get("max_tokens") or 16)
@@ -230,7 +231,7 @@ class StandInVllmServer:
         returned = None
         if self.bidirectional:
             returned = self._kv_params(f"cmpl-{rid}-0", len(words) + n_out, decode_side=True)
-            self.ledger.retained[returned["remote_request_id"]] = returned
+            self.ledger.retained[returned[pd.REMOTE_REQUEST_ID]] = returned
         self._record(request, body, 200, returned)
         if not body.get("stream"):
             return web.json_response(self._answer(request.path, rid, out_words, len(words), returned))

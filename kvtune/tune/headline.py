@@ -14,9 +14,10 @@ from typing import Any
 
 from kvtune.recommend.results import NEVER
 from kvtune.tune.numbers import fmt_num, fmt_share, fmt_value
+from kvtune.vllm_pd import DECODER_KV_BLOCKS_TTL, KV_RECOMPUTE_THRESHOLD
 
-THRESHOLD = "kv_recompute_threshold"
-TTL = "decoder_kv_blocks_ttl"
+THRESHOLD = KV_RECOMPUTE_THRESHOLD
+TTL = DECODER_KV_BLOCKS_TTL
 MODE = "mode"
 GOOD_R2 = 0.9
 """A floor fit with R^2 at or above this explains transfer time well (below: say it is weak)."""

@@ -1,0 +1,245 @@
+"""vLLM's prefill/decode (P/D) protocol as kvtune speaks it: the one home of its names and rules.
+
+What crosses between a router (or :class:`kvtune.local.pair.LocalPair`) and vLLM's NIXL
+connectors, as vLLM 0.32.0 and 0.33.0 read and write it (the two agree on every name and default
+here; see ``vllm/distributed/kv_transfer/kv_connector/v1/nixl/``):
+
+- ``kv_transfer_params`` (:data:`KV_TRANSFER_PARAMS`), a field of a completion request and of its
+  answer. Its keys are the ``DO_REMOTE_*`` / ``REMOTE_*`` / ``*_SIZE`` constants below; kvtune's
+  own carriers inside it (traceparent, conversation id, turn) are span-convention names and live in
+  :mod:`kvtune.spans` (``KV_PARAMS_*``).
+- ``--kv-transfer-config`` (:func:`kv_transfer_config`) with its ``kv_connector_extra_config`` keys
+  (``kv_recompute_threshold``, ``decoder_kv_blocks_ttl``, ...) and vLLM's defaults for them.
+- The legs of each mode (:func:`prefill_leg_params`, :func:`pull_decode_leg_params`,
+  :func:`push_decode_leg_params`):
+
+  - pull: the prefill gets ``{do_remote_decode: true}`` (and ``max_tokens: 1``); it answers with
+    the params the decode needs (``do_remote_prefill``, its block ids, engine id, side channel),
+    which the decode is given as they are; the decode READs the prompt's KV.
+  - push: both legs start together; the prefill gets ``{do_remote_decode: true}``, the decode gets
+    ``do_remote_prefill`` with the prefill named up front (engine id, side-channel host and port,
+    TP/PP sizes) and the shared request id; the prefill WRITEs into the decode's blocks.
+  - bidirectional: pull, plus the params the decode answers with at the end of a turn (its
+    retained blocks, ``do_remote_decode: true``) are the next turn's prefill params: the prefill
+    pulls the history back unless it is shorter than ``kv_recompute_threshold``.
+- The router's margin below the decode's ``decoder_kv_blocks_ttl`` (:func:`router_margin_s`) and
+  the rule that a NIXL progress-thread delay applies to pull mode only
+  (:func:`progress_delay_applies`).
+
+Differences between the releases that matter to kvtune: vLLM 0.33 sends ``kv_transfer_params`` in
+the last chunk of a streamed answer, 0.32 only in non-streamed answers
+(:data:`STREAMED_PARAMS_SINCE`).
+
+Nothing here imports vLLM.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Final
+
+from kvtune import spans
+from kvtune.errors import ConfigError
+
+# --- kv_transfer_params ---------------------------------------------------------------------------
+KV_TRANSFER_PARAMS: Final = "kv_transfer_params"
+"""The completion request (and answer) field that carries the P/D parameters."""
+DO_REMOTE_DECODE: Final = "do_remote_decode"
+"""True on a leg whose KV another instance will take: the prefill of pull/push, and (in what a
+bidirectional decode answers with) the decode's retained history."""
+DO_REMOTE_PREFILL: Final = "do_remote_prefill"
+"""True on a leg whose KV comes from another instance: the decode (pull: READ, push: WRITTEN)."""
+REMOTE_ENGINE_ID: Final = "remote_engine_id"
+"""The ``engine_id`` of the instance holding (pull) or sending (push) the KV. Also the key of
+vLLM's push registration message (decode -> prefill) naming the decode."""
+REMOTE_BLOCK_IDS: Final = "remote_block_ids"
+"""Block ids (one list per KV cache group) on the remote instance; absent in a push decode leg."""
+REMOTE_HOST: Final = "remote_host"
+"""The remote instance's NIXL side-channel host."""
+REMOTE_PORT: Final = "remote_port"
+"""The remote instance's NIXL side-channel port (``VLLM_NIXL_SIDE_CHANNEL_PORT``)."""
+REMOTE_REQUEST_ID: Final = "remote_request_id"
+"""The request id on the remote instance (vLLM's ``cmpl-<id>-0-<suffix>`` in answers; the shared
+``X-Request-Id`` in a push decode leg)."""
+REMOTE_NUM_TOKENS: Final = "remote_num_tokens"
+"""Tokens whose KV the remote holds (bidirectional: the history offered to the next prefill)."""
+REMOTE_BLOCKS_EXPIRY_TIME: Final = "remote_blocks_expiry_time"
+"""When the remote frees the blocks (bidirectional retention: ``decoder_kv_blocks_ttl``)."""
+TP_SIZE: Final = "tp_size"
+"""The remote instance's tensor-parallel size (as a kv_transfer_params key)."""
+PP_SIZE: Final = "pp_size"
+"""The remote instance's pipeline-parallel size (as a kv_transfer_params key)."""
+PARAM_KEYS: Final = (DO_REMOTE_DECODE, DO_REMOTE_PREFILL, REMOTE_ENGINE_ID, REMOTE_BLOCK_IDS,
+                     REMOTE_HOST, REMOTE_PORT, REMOTE_REQUEST_ID, REMOTE_NUM_TOKENS,
+                     REMOTE_BLOCKS_EXPIRY_TIME, TP_SIZE, PP_SIZE)
+"""Every vLLM ``kv_transfer_params`` key kvtune reads or writes."""
+CONTEXT_KEYS: Final = (spans.KV_PARAMS_TRACEPARENT, spans.KV_PARAMS_CONVERSATION_ID,
+                       spans.KV_PARAMS_TURN)
+"""kvtune's carriers inside ``kv_transfer_params`` that each request sets anew."""
+STREAMED_PARAMS_SINCE: Final = "0.33"
+"""The vLLM release from which a streamed answer carries ``kv_transfer_params`` (last chunk)."""
+
+# --- kv-transfer-config ---------------------------------------------------------------------------
+KV_RECOMPUTE_THRESHOLD: Final = "kv_recompute_threshold"
+"""Extra-config key: a remote history shorter than this many tokens is recomputed, not pulled."""
+DEFAULT_KV_RECOMPUTE_THRESHOLD_TOKENS: Final = 64
+"""vLLM's default (``NixlBaseConnectorScheduler``, 0.32 and 0.33)."""
+DECODER_KV_BLOCKS_TTL: Final = "decoder_kv_blocks_ttl"
+"""Extra-config key: seconds a bidirectional decode keeps a finished turn's blocks; vLLM's push
+connector also uses it as the default ``push_registration_timeout``."""
+DEFAULT_DECODER_KV_BLOCKS_TTL_S: Final = 480
+"""vLLM's default (0.32 and 0.33)."""
+BIDIRECTIONAL_KV_XFER: Final = "bidirectional_kv_xfer"
+"""Extra-config key: true turns on bidirectional transfer (pull connector only); default false."""
+KV_LEASE_DURATION: Final = "kv_lease_duration"
+"""Extra-config key: seconds a prefill holds blocks awaiting the decode's READ."""
+DEFAULT_KV_LEASE_DURATION_S: Final = 30
+"""vLLM's default (0.32 and 0.33)."""
+PUSH_REGISTRATION_TIMEOUT: Final = "push_registration_timeout"
+"""Extra-config key: seconds a push decode waits for the WRITE; default ``decoder_kv_blocks_ttl``."""
+NUM_THREADS: Final = "num_threads"
+"""Extra-config key: vLLM's NIXL UCX worker threads; default :data:`DEFAULT_NUM_THREADS`."""
+DEFAULT_NUM_THREADS: Final = 4
+DEFAULT_SIDE_CHANNEL_PORT: Final = 5600
+"""vLLM's default ``VLLM_NIXL_SIDE_CHANNEL_PORT`` (:data:`SIDE_CHANNEL_PORT_ENV`)."""
+SIDE_CHANNEL_PORT_ENV: Final = "VLLM_NIXL_SIDE_CHANNEL_PORT"
+KV_ROLES: Final = {"prefill": "kv_producer", "decode": "kv_consumer"}
+"""``kv_role`` of each server role."""
+KVTUNE_CONNECTOR_MODULE: Final = "kvtune.connectors"
+PLAIN_CONNECTOR_MODULE: Final = "kvtune.connectors.plain"
+CONNECTOR_CLASSES: Final = {
+    ("kvtune", "pull"): "KvtuneNixlPullConnector",
+    ("kvtune", "bidirectional"): "KvtuneNixlPullConnector",
+    ("kvtune", "push"): "KvtuneNixlPushConnector",
+    ("vllm", "pull"): "NixlConnector",
+    ("vllm", "bidirectional"): "NixlConnector",
+    ("vllm", "push"): "NixlPushConnector",
+    ("plain", "pull"): "PlainNixlPullConnector",
+    ("plain", "bidirectional"): "PlainNixlPullConnector",
+    ("plain", "push"): "PlainNixlPushConnector",
+}
+"""``kv_connector`` per (family, mode): kvtune's instrumented subclasses (``kvtune``), vLLM's own
+(``vllm``), or vLLM's own with only kvtune's NIXL agent settings (``plain``,
+:mod:`kvtune.connectors.plain`)."""
+CONNECTOR_MODULES: Final = {"kvtune": KVTUNE_CONNECTOR_MODULE, "vllm": None,
+                            "plain": PLAIN_CONNECTOR_MODULE}
+"""``kv_connector_module_path`` per family (None: vLLM's registry finds the class)."""
+MODES: Final = (spans.Mode.PULL.value, spans.Mode.PUSH.value, spans.Mode.BIDIRECTIONAL.value)
+"""The P/D modes (``spans.Mode`` values)."""
+
+
+def mode_value(mode: spans.Mode | str, *, where: str = "mode") -> str:
+    """``mode`` as one of :data:`MODES`; a :class:`ConfigError` naming ``where`` otherwise."""
+    value = mode.value if isinstance(mode, spans.Mode) else mode
+    if value not in MODES:
+        raise ConfigError(f"{where}: expected one of {list(MODES)}, got {mode!r}")
+    return str(value)
+
+
+def kv_transfer_config(role: str, mode: spans.Mode | str, *, connector: str = "kvtune",
+                       engine_id: str | None = None, kv_buffer_device: str | None = None,
+                       extra_config: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """One server's ``--kv-transfer-config`` value.
+
+    ``role``: ``"prefill"`` or ``"decode"``; ``connector``: a family of :data:`CONNECTOR_CLASSES`;
+    ``engine_id``: fixed when given (push names the prefill up front); ``extra_config``: the
+    ``kv_connector_extra_config`` entries, written as given (bidirectional mode adds
+    ``bidirectional_kv_xfer: true`` unless they set it)."""
+    if role not in KV_ROLES:
+        raise ConfigError(f"kv_transfer_config: role expected one of {sorted(KV_ROLES)}, "
+                          f"got {role!r}")
+    m = mode_value(mode, where="kv_transfer_config: mode")
+    if connector not in CONNECTOR_MODULES:
+        raise ConfigError(f"kv_transfer_config: connector expected one of "
+                          f"{sorted(CONNECTOR_MODULES)}, got {connector!r}")
+    extra = dict(extra_config or {})
+    if m == spans.Mode.BIDIRECTIONAL.value:
+        extra.setdefault(BIDIRECTIONAL_KV_XFER, True)
+    cfg: dict[str, Any] = {"kv_connector": CONNECTOR_CLASSES[(connector, m)],
+                           "kv_role": KV_ROLES[role]}
+    if CONNECTOR_MODULES[connector] is not None:
+        cfg["kv_connector_module_path"] = CONNECTOR_MODULES[connector]
+    if kv_buffer_device:
+        cfg["kv_buffer_device"] = kv_buffer_device
+    if engine_id is not None:
+        cfg["engine_id"] = engine_id
+    cfg["kv_connector_extra_config"] = extra
+    return cfg
+
+
+# --- the legs -------------------------------------------------------------------------------------
+def prefill_leg_params(reuse: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The prefill's ``kv_transfer_params`` (every mode): ``{do_remote_decode: true}``, or, in
+    bidirectional mode, the decode's answer of the conversation's previous turn (``reuse``: its
+    retained blocks) so the prefill pulls that history back."""
+    return {**(reuse or {}), DO_REMOTE_DECODE: True}
+
+
+def pull_decode_leg_params(prefill_answer: Mapping[str, Any]) -> dict[str, Any]:
+    """The pull decode's ``kv_transfer_params``: what the prefill answered, as it is (a
+    :class:`ConfigError` when it is not the answer of a kv_producer NIXL connector)."""
+    if not isinstance(prefill_answer, Mapping) or not prefill_answer.get(DO_REMOTE_PREFILL):
+        raise ConfigError(f"{KV_TRANSFER_PARAMS} of the prefill's answer: expected "
+                          f"{DO_REMOTE_PREFILL}: true (is the instance started with a kv_producer "
+                          f"NIXL connector?), got {prefill_answer!r}"[:1000])
+    return dict(prefill_answer)
+
+
+def push_decode_leg_params(*, engine_id: str, host: str, port: int, request_id: str,
+                           tp_size: int = 1, pp_size: int = 1) -> dict[str, Any]:
+    """The push decode's ``kv_transfer_params``: the prefill named up front (its engine id,
+    side-channel host and port, TP/PP sizes) and the shared request id of both legs."""
+    return {DO_REMOTE_PREFILL: True, REMOTE_ENGINE_ID: engine_id, REMOTE_HOST: host,
+            REMOTE_PORT: int(port), TP_SIZE: int(tp_size), PP_SIZE: int(pp_size),
+            REMOTE_REQUEST_ID: request_id}
+
+
+def with_context(params: Mapping[str, Any], *, traceparent: str | None = None,
+                 conversation_id: str | None = None, turn: int | None = None) -> dict[str, Any]:
+    """``params`` plus kvtune's carriers for the connectors' spans (W3C traceparent, conversation
+    id, turn); carriers echoed back from an earlier turn are replaced, not kept."""
+    out = {k: v for k, v in params.items() if k not in CONTEXT_KEYS}
+    if traceparent:
+        out[spans.KV_PARAMS_TRACEPARENT] = traceparent
+    if conversation_id is not None:
+        out[spans.KV_PARAMS_CONVERSATION_ID] = conversation_id
+    if turn is not None:
+        out[spans.KV_PARAMS_TURN] = turn
+    return out
+
+
+def holds_blocks(params: Any) -> bool:
+    """Whether an answer's ``kv_transfer_params`` name remote blocks (a bidirectional decode's
+    retained history worth offering to the next turn)."""
+    return isinstance(params, Mapping) and bool(params.get(REMOTE_BLOCK_IDS))
+
+
+def offered_tokens(params: Mapping[str, Any] | None) -> int | None:
+    """The history tokens a prefill is offered (``remote_num_tokens``), when an int."""
+    value = params.get(REMOTE_NUM_TOKENS) if params else None
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+# --- rules ----------------------------------------------------------------------------------------
+ROUTER_MARGIN_S: Final = 30.0
+"""The router's stored decode params expire this long before the decode frees the blocks: covers
+the router -> prefill -> decode handshake time and clock differences."""
+ROUTER_MARGIN_SHARE: Final = 0.25
+"""...but at most this share of the decode's TTL, so a short TTL keeps a usable router TTL."""
+
+
+def router_margin_s(decoder_ttl_s: float) -> float:
+    """The router's margin below a decode TTL of ``decoder_ttl_s``: ``min(30 s, TTL / 4)``."""
+    return min(ROUTER_MARGIN_S, ROUTER_MARGIN_SHARE * decoder_ttl_s)
+
+
+def decoder_ttl_for_router_ttl_s(router_ttl_s: float) -> float:
+    """The decode TTL whose router TTL (TTL minus :func:`router_margin_s`) is ``router_ttl_s``."""
+    return router_ttl_s + min(ROUTER_MARGIN_S,
+                              ROUTER_MARGIN_SHARE / (1 - ROUTER_MARGIN_SHARE) * router_ttl_s)
+
+
+def progress_delay_applies(mode: spans.Mode | str) -> bool:
+    """Whether a NIXL progress-thread delay (``kvtune_progress_delay_us``) applies in ``mode``:
+    pull only. In push and bidirectional mode the prefill initiates transfers (WRITEs, reverse
+    READs), and a sleeping progress thread on either side was measured to hang them."""
+    return (mode.value if isinstance(mode, spans.Mode) else mode) == spans.Mode.PULL.value
