@@ -1,6 +1,6 @@
 """The router embedded in a program that is its only client (what ``LocalPair`` does): the
 ``on_leg`` observer sees every leg, and a trusted client's request id and traceparent reach the
-legs. Upstreams are the stand-in vLLM servers (``kvtune.router.standin``)."""
+legs. Upstreams are the stand-in vLLM servers (``kvtune.testing.standin``)."""
 from __future__ import annotations
 
 import threading
@@ -12,7 +12,7 @@ from kvtune import spans
 from kvtune.router import RouterInThread
 from kvtune.router.client import post
 from kvtune.router.server import LegRecord
-from kvtune.router.standin import StandInVllmCluster
+from kvtune.testing.standin import StandInVllmCluster
 from kvtune.router.state import SqliteConversationStore
 from kvtune.vllm_pd import (
     DO_REMOTE_DECODE, DO_REMOTE_PREFILL, KV_TRANSFER_PARAMS, REMOTE_BLOCK_IDS, REMOTE_ENGINE_ID,
