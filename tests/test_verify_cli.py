@@ -79,3 +79,15 @@ def test_bad_arguments_exit_2_naming_the_input(calls, argv, match, capsys, tmp_p
     assert cli.main(argv + ["--out", str(tmp_path)]) == 2
     assert match in capsys.readouterr().err
     assert calls == []
+
+
+def test_fabric_goes_to_the_pair_when_it_takes_one(calls, tmp_path, capsys):
+    import inspect
+
+    from kvtune.local.pair import LocalPair
+    rc = cli.main(["verify", "--config", "defaults", "--fabric", "shaped:1gbit",
+                   "--out", str(tmp_path)])
+    if "fabric" in inspect.signature(LocalPair).parameters:
+        assert rc == 0 and calls[0][1].pair_kwargs["fabric"] == "shaped:1gbit"
+    else:
+        assert rc == 2 and "no 'fabric' option" in capsys.readouterr().err and calls == []

@@ -23,7 +23,8 @@ def _rec(mode="bidirectional", threshold=55, ttl=22):
 
 def test_builtin_defaults():
     d = C.load_config("defaults")
-    assert (d.name, d.mode, d.recompute_threshold_tokens, d.ttl_s) == ("defaults", "pull", None, None)
+    assert (d.name, d.mode, d.recompute_threshold_tokens, d.ttl_s) == (
+        "defaults", "pull", None, None)
     b = C.load_config("base=defaults:bidirectional")
     assert (b.name, b.mode) == ("base", "bidirectional")
     assert b.kv_extra_config() == {"bidirectional_kv_xfer": True}

@@ -95,7 +95,8 @@ def _tune_dir(tmp_path: Path, recorded: results.VerifyResult, *, matching: bool)
     (tune / "configs").mkdir(parents=True)
     bidi = recorded.configs[1].config
     rec = {"model": "m", "recommendations": {
-        "mode": {"value": "bidirectional" if matching else "pull", "range": ["bidirectional", "pull"]},
+        "mode": {"value": "bidirectional" if matching else "pull",
+                 "range": ["bidirectional", "pull"]},
         "kv_recompute_threshold": {"value": bidi.recompute_threshold_tokens, "range": [17, 74]},
         "decoder_kv_blocks_ttl": {"value": bidi.ttl_s, "range": [4, 22]}}}
     (tune / "configs" / "recommendation.json").write_text(json.dumps(rec))
@@ -121,7 +122,8 @@ def test_tune_report_shows_a_matching_verification(recorded, tmp_path):
     rec = json.loads((tune / "configs" / "recommendation.json").read_text())
     entry = rec[headline.VERIFY_KEY]
     assert entry["status"] == verdict.status(res.comparisons[0].p50)
-    assert entry["ttft_p50_change_pct"] == pytest.approx(-res.comparisons[0].p50.faster_pct, abs=0.01)
+    assert entry["ttft_p50_change_pct"] == pytest.approx(-res.comparisons[0].p50.faster_pct,
+                                                         abs=0.01)
     html = report.read_text()
     assert 'id="verification"' in html and entry["status"] in html
     assert "not-verified" not in html.split('id="verification"')[1][:40] or \

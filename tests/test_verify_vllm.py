@@ -1,5 +1,6 @@
-"""``kvtune verify`` on the real local vLLM pair (CPU): two configurations, 8 requests each, the pair
-restarted per configuration, requests through kvtune's router. Slow (two pair starts); run alone:
+"""``kvtune verify`` on the real local vLLM pair (CPU): two configurations, 8 requests each, the
+pair restarted per configuration, requests through kvtune's router. Slow (two pair starts); run
+alone:
 ``flock /tmp/kvtune-heavy.lock .venv/bin/python -m pytest -m vllm tests/test_verify_vllm.py``."""
 from __future__ import annotations
 

@@ -28,19 +28,22 @@ class Upstreams:
 class Backend(Protocol):
     description: str
 
-    def deploy(self, config: VerifyConfig, workdir: Path) -> contextlib.AbstractContextManager[Upstreams]:
+    def deploy(self, config: VerifyConfig,
+               workdir: Path) -> contextlib.AbstractContextManager[Upstreams]:
         ...
 
 
 PairFactory = Callable[..., Any]
 """Makes a ``kvtune.local.LocalPair``-like context manager from keyword arguments (``mode``,
-``recompute_threshold``, ``ttl_s``, ``workdir``, ``spans_dir`` and the backend's ``pair_kwargs``)."""
+``recompute_threshold``, ``ttl_s``, ``workdir``, ``spans_dir`` and the backend's
+``pair_kwargs``)."""
 
 
 @dataclass
 class LocalPairBackend:
-    """A fresh local pair per configuration. ``pair_factory`` defaults to ``LocalPair``; pass another
-    (or ``pair_kwargs`` such as ``connector``, ``layout`` or a fabric) to change how it is built."""
+    """A fresh local pair per configuration. ``pair_factory`` defaults to ``LocalPair``; pass
+    another (or ``pair_kwargs`` such as ``connector``, ``layout`` or a fabric) to change how it
+    is built."""
 
     pair_factory: PairFactory | None = None
     pair_kwargs: Mapping[str, Any] = field(default_factory=dict)

@@ -52,11 +52,15 @@ def register(sub: argparse._SubParsersAction) -> None:
     t.add_argument("--connector", choices=("kvtune", "vllm"), default="kvtune",
                    help="local pair: kvtune's instrumented connectors or vLLM's own")
     t.add_argument("--layout", default=None, help="local pair layout (pinned, quiet)")
+    t.add_argument("--fabric", default=None,
+                   help="local pair: passed as LocalPair(fabric=...) (e.g. shaped:RATE), where "
+                        "this kvtune's LocalPair takes it")
     t.add_argument("--prefill", action="append", default=[], metavar="URL",
                    help="cluster: a prefill instance (repeat); with --decode")
     t.add_argument("--decode", action="append", default=[], metavar="URL",
                    help="cluster: a decode instance (repeat)")
-    t.add_argument("--prefill-engine-id", default=None, help="cluster, push: the prefill's engine_id")
+    t.add_argument("--prefill-engine-id", default=None,
+                   help="cluster, push: the prefill's engine_id")
     t.add_argument("--prefill-kv-port", type=int, default=None,
                    help="cluster, push: the prefill's NIXL side-channel port")
     t.add_argument("--no-wait", action="store_true",
@@ -97,6 +101,13 @@ def _backend(args: argparse.Namespace) -> Any:
     kwargs: dict[str, Any] = {"connector": args.connector}
     if args.layout:
         kwargs["layout"] = args.layout
+    if args.fabric:
+        import inspect
+
+        from kvtune.local.pair import LocalPair
+        if "fabric" not in inspect.signature(LocalPair).parameters:
+            raise ConfigError("verify --fabric: this kvtune's LocalPair has no 'fabric' option")
+        kwargs["fabric"] = args.fabric
     return LocalPairBackend(pair_kwargs=kwargs)
 
 

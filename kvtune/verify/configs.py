@@ -8,7 +8,7 @@ A :class:`VerifyConfig` is what changes between runs: the mode, ``kv_recompute_t
 - a ``kvtune tune`` output directory, its ``configs/`` directory, or a ``recommendation.json``:
   kvtune's recommendation (the values the exported files hold);
 - a ``--kv-transfer-config`` JSON file (the prefill's or decode's, as ``kvtune export`` writes);
-- a YAML/JSON file ``{name: ..., mode: ..., kv_recompute_threshold: ..., decoder_kv_blocks_ttl: ...}``.
+- a YAML/JSON file ``{name, mode, kv_recompute_threshold, decoder_kv_blocks_ttl}``.
 
 ``NAME=SPEC`` names the configuration (else the name comes from the spec).
 """
@@ -90,12 +90,14 @@ def vllm_defaults(name: str = DEFAULTS) -> VerifyConfig:
 
 def vllm_defaults_bidirectional(name: str = "defaults-bidirectional") -> VerifyConfig:
     return VerifyConfig(name, "bidirectional",
-                        source="vLLM defaults with bidirectional_kv_xfer on (threshold 64, TTL 480 s)")
+                        source="vLLM defaults with bidirectional_kv_xfer on "
+                               "(threshold 64, TTL 480 s)")
 
 
 def load_config(spec: str) -> VerifyConfig:
     """A configuration from a spec (see the module doc); ``NAME=SPEC`` names it."""
-    name, _, rest = spec.partition("=") if "=" in spec and not Path(spec).exists() else ("", "", spec)
+    named = "=" in spec and not Path(spec).exists()
+    name, _, rest = spec.partition("=") if named else ("", "", spec)
     rest = rest.strip()
     if rest == DEFAULTS:
         return vllm_defaults(name or DEFAULTS)
@@ -151,7 +153,8 @@ def from_recommendation(path: Path, *, name: str = RECOMMENDED,
         if not isinstance(item, dict) or "value" not in item:
             raise ConfigError(f"{path}: field 'recommendations.{key}.value': expected a value")
         return item["value"]
-    mode, threshold, ttl = value("mode"), value("kv_recompute_threshold"), value("decoder_kv_blocks_ttl")
+    mode, threshold = value("mode"), value("kv_recompute_threshold")
+    ttl = value("decoder_kv_blocks_ttl")
     t = NEVER_THRESHOLD_TOKENS if threshold == "never" else _int_or_none(
         threshold, path, "recommendations.kv_recompute_threshold.value")
     ttl_f = _float_or_none(ttl, path, "recommendations.decoder_kv_blocks_ttl.value")

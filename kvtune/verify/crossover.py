@@ -123,7 +123,8 @@ def points(on: ConfigResult, off: ConfigResult) -> tuple[CrossoverPoint, ...]:
 
 def recommended_threshold(rec: Mapping[str, Any] | None
                           ) -> tuple[float | None, tuple[float, float] | None, float | None]:
-    """(value, range, predicted break-even) of ``recommendation.json``'s threshold, where numeric."""
+    """(value, range, predicted break-even) of ``recommendation.json``'s threshold, where
+    numeric."""
     item = ((rec or {}).get("recommendations") or {}).get("kv_recompute_threshold") or {}
     value = item.get("value")
     rng = item.get("range")

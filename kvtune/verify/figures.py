@@ -83,7 +83,8 @@ def crossover(cx: CrossoverResult) -> Any:
                       annotation_text="measured crossover 95%", annotation_position="top left")
     if est.tokens is not None:
         fig.add_vline(x=est.tokens, line=dict(color="green", width=2),
-                      annotation_text=f"measured {est.tokens:.0f}", annotation_position="bottom right")
+                      annotation_text=f"measured {est.tokens:.0f}",
+                      annotation_position="bottom right")
     if cx.recommended_range_tokens is not None:
         lo, hi = cx.recommended_range_tokens
         fig.add_vrect(x0=max(lo, 1), x1=max(hi, lo * 1.01, 1.01), fillcolor="orange", opacity=0.12,

@@ -191,7 +191,8 @@ def measure_config(config: VerifyConfig, backend: Backend, plans: Sequence[Conve
                                    progress=progress)
             time.sleep(COUNTER_SETTLE_S)
         after = sum_sources(prefill_urls) if before is not None else None
-    reused = (after - before).external_kv_transfer_tokens if after is not None and before is not None else None
+    reused = ((after - before).external_kv_transfer_tokens
+              if after is not None and before is not None else None)
     return summarize(config, measurements(results, ttft_from_router_spans(spans_path)),
                      reused_tokens=reused, memory=sampler.samples,
                      blocks_total=sampler.blocks_total, wall_s=time.monotonic() - t0)

@@ -201,7 +201,8 @@ def result_from_json(data: Any, *, source: str = "verify result") -> VerifyResul
         rng = cd.get("recommended_range_tokens")
         cross = _build(CrossoverResult, {
             **cd, "estimate": est,
-            "points": tuple(_build(CrossoverPoint, p, f"{w}.points") for p in cd.get("points") or []),
+            "points": tuple(_build(CrossoverPoint, p, f"{w}.points")
+                            for p in cd.get("points") or []),
             "recommended_range_tokens": tuple(rng) if isinstance(rng, list) else rng}, w)
     return _build(VerifyResult, {**data, "configs": tuple(configs), "comparisons": tuple(comps),
                                  "crossover": cross}, source)

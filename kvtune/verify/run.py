@@ -1,4 +1,4 @@
-"""``run_verify``: replay one workload under each configuration, compare, write the JSON and page."""
+"""``run_verify``: replay one workload under each configuration, compare, write JSON and page."""
 from __future__ import annotations
 
 import logging
