@@ -83,3 +83,11 @@ def test_crossover_sides_when_one_always_wins():
 def test_crossover_needs_two_lengths_under_both():
     with pytest.raises(AnalysisError, match="at least 2 history lengths"):
         stats.crossover({32: [1.0, 2.0]}, {32: [1.0, 2.0], 64: [1.0, 2.0]})
+
+
+def test_crossover_without_break_even_shape_has_no_interval():
+    # reuse faster on short histories, slower on long: no break-even to report
+    on, off = _lines((32, 64, 128), lambda h: 10.0 + 0.5 * h, lambda h: 40.0)
+    est = stats.crossover(on, off)
+    assert est.side == "no_break_even"
+    assert est.tokens is None and est.low_tokens is None and est.high_tokens is None

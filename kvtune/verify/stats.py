@@ -109,8 +109,9 @@ class CrossoverEstimate:
     ``tokens`` is None when the difference does not change sign over the swept lengths;
     ``side`` then says which way it stayed: ``"reuse_always_faster"`` (crossover at or below the
     shortest length), ``"recompute_always_faster"`` (above the longest), else ``"crossed"``.
-    The interval comes from resampling each length's requests (lengths whose bootstrap draw does
-    not cross count at the grid's edge on their side)."""
+    The interval comes from resampling each length's requests (a draw that does not cross counts
+    at the grid's edge on its side); there is none when the point estimate has no break-even
+    shape (``"no_break_even"``: reuse faster on short histories, slower on long ones)."""
 
     tokens: float | None
     low_tokens: float | None
@@ -163,6 +164,9 @@ def crossover(on_ms: Mapping[int, Sequence[float]], off_ms: Mapping[int, Sequenc
         draws.append(c)
     arr = np.array(draws, dtype=float)
     arr = arr[np.isfinite(arr)]
-    lo, hi = _bounds(arr, confidence) if arr.size else (None, None)
+    # No interval when the measured curves have no break-even shape (reuse faster on short
+    # histories, slower on long ones): the draws that do cross say nothing about where.
+    lo, hi = (_bounds(arr, confidence) if arr.size and side != "no_break_even"
+              else (None, None))
     return CrossoverEstimate(point, lo, hi, side, tuple(int(n) for n in lengths),
                              tuple(float(d) for d in diff))
