@@ -72,7 +72,8 @@ def test_page_has_verdicts_table_and_figures(recorded):
     assert recorded.comparisons[0].verdict.split(" (")[0] in html
     assert 'id="plot-comparison"' in html and 'id="plot-crossover"' in html
     assert "Measured crossover" in html
-    assert "cdn.plot.ly" not in html  # plotly.js is inline: the page works offline
+    # plotly.js is inline (the page works offline), not a <script src=...> from a CDN
+    assert "<script src=" not in html and len(html) > 1_000_000
     rows = page.table_rows(recorded)
     assert rows[0][0] == "config" and [r[0] for r in rows[1:]] == ["defaults", "bidi"]
 
