@@ -75,7 +75,7 @@ def run_tune(traces: str | None = None, out_dir: str | Path = "out/tune", *,
     if rec.exists() and "tune" in notebooks:  # else it is an earlier run's: not this report's
         data = json.loads(rec.read_text())
         data["trace_source_kind"] = source_kind
-        data["trace_source"] = f"{source_desc} ({source_kind})"
+        data["report_source"] = f"{source_desc} ({source_kind})"  # the report's source line
         # A ``kvtune verify --tune-dir`` result of these very values (in out/verify/) is shown;
         # one of other values (an earlier run's) is not.
         from kvtune.verify.tune_link import FIGURE_PREFIX, verification_for_tune_dir

@@ -64,7 +64,7 @@ def attach(result: results.VerifyResult, tune_dir: str | Path) -> Path | None:
     if result.crossover is not None:
         (figs / f"{FIGURE_PREFIX}--crossover.json").write_text(
             figures.crossover(result.crossover).to_json())
-    source = str(rec.get("trace_source") or rec.get("trace_source_kind") or "see the notebooks")
+    source = str(rec.get("report_source") or rec.get("trace_source") or "see the notebooks")
     return write_report(tune / "report.html", figs, title="kvtune tuning report", source=source,
                         values={}, notebooks=[*TUNE_NOTEBOOKS, FIGURE_PREFIX],
                         recommendation=rec, configs_dir=rec_path.parent)
