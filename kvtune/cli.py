@@ -25,6 +25,7 @@ COMMAND_MODULES: tuple[tuple[str, str], ...] = (
     ("dashboards", "kvtune.dashboards.cli"),
     ("traces", "kvtune.traces.cli"),
     ("local", "kvtune.local.cli"),
+    ("verify", "kvtune.verify.cli"),
     ("doctor", "kvtune.connectors.compat"),
 )
 

@@ -43,8 +43,8 @@ class ValueCard:
 @dataclass(frozen=True)
 class Verification:
     """Whether a measured run confirmed the values. Filled from ``recommendation.json``'s
-    ``verification`` object by whatever verifies them (``kvtune verify`` does not exist yet):
-    ``{"status": "confirmed"|"not confirmed", "ttft_p50_change_pct": -12.0, "detail": "..."}``."""
+    ``verification`` object by ``kvtune verify --tune-dir`` (:mod:`kvtune.verify.tune_link`):
+    ``{"status": "verified: faster than defaults", "ttft_p50_change_pct": -12.0, "detail": "..."}``."""
 
     status: str
     ttft_p50_change_pct: float | None = None
@@ -224,7 +224,7 @@ def render(h: Headline) -> str:
         + (f' <span class="exact">({e(c.exact_text)})</span>' if c.exact_text else "")
         + f'</div><p class="why">{e(c.why)}</p></div>'
         for c in h.cards)
-    vclass = "verification" + (" not-verified" if h.verification.status == "not verified" else "")
+    vclass = "verification" + (" not-verified" if h.verification.status.startswith("not ") else "")
     sure = "".join(f"<p>{e(line)}</p>" for line in h.confidence)
     model = (f'<b>Model:</b> <code>{e(h.model)}</code> <span class="model-src">({e(h.model_source)})</span>'
              if h.model_known else

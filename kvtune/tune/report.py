@@ -12,6 +12,7 @@ SECTION_TITLES = {
     "mode_choice": "Mode: push vs pull vs bidirectional",
     "stalls": "Stalls: where the slow requests' time went",
     "tune": "Tuning summary",
+    "verify": "Verification: measured TTFT per configuration (kvtune verify)",
 }
 
 

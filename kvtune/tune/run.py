@@ -89,12 +89,18 @@ def run_tune(traces: str | None = None, out_dir: str | Path = "out/tune", *,
     if rec.exists() and "tune" in notebooks:  # else it is an earlier run's: not this report's
         data = json.loads(rec.read_text())
         data["trace_source_kind"] = source_kind
-        # Filled by a verification run (``kvtune verify``, not yet written); the report reads it.
-        data.setdefault(VERIFY_KEY, None)
+        data["report_source"] = f"{source_desc} ({source_kind})"  # the report's source line
+        # A ``kvtune verify --tune-dir`` result of these very values (in out/verify/) is shown;
+        # one of other values (an earlier run's) is not.
+        from kvtune.verify.tune_link import FIGURE_PREFIX, verification_for_tune_dir
+        data[VERIFY_KEY] = verification_for_tune_dir(out, data)
         rec.write_text(json.dumps(data, indent=2))
+    report_notebooks = list(notebooks)
+    if data is not None and data.get(VERIFY_KEY):
+        report_notebooks.append(FIGURE_PREFIX)
     report = write_report(out / "report.html", figures, title="kvtune tuning report",
                           source=f"{source_desc} ({source_kind})", values=values,
-                          notebooks=list(notebooks), recommendation=data,
+                          notebooks=report_notebooks, recommendation=data,
                           configs_dir=rec.parent)
     return TuneResult(out, report, rec, runs, source_desc, source_kind, values,
                       time.monotonic() - t0)

@@ -1,0 +1,97 @@
+"""Where the configurations run: a local vLLM pair restarted per configuration, or a cluster whose
+instances the operator restarts (kvtune says with what) while a fresh router runs per configuration.
+
+A backend's :meth:`deploy` is a context manager: inside it the instances serve ``config``, and it
+yields their :class:`Upstreams` (what the router for that configuration forwards to, and whose
+``/metrics`` say where prompt tokens came from and how much decode KV memory is held).
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+from kvtune.errors import ConfigError
+from kvtune.router.config import InstanceConfig
+from kvtune.verify.configs import VerifyConfig
+
+
+@dataclass(frozen=True)
+class Upstreams:
+    prefill: tuple[InstanceConfig, ...]
+    decode: tuple[InstanceConfig, ...]
+
+
+class Backend(Protocol):
+    description: str
+
+    def deploy(self, config: VerifyConfig,
+               workdir: Path) -> contextlib.AbstractContextManager[Upstreams]:
+        ...
+
+
+PairFactory = Callable[..., Any]
+"""Makes a ``kvtune.local.LocalPair``-like context manager from keyword arguments (``mode``,
+``recompute_threshold``, ``ttl_s``, ``workdir``, ``spans_dir`` and the backend's
+``pair_kwargs``)."""
+
+
+@dataclass
+class LocalPairBackend:
+    """A fresh local pair per configuration. ``pair_factory`` defaults to ``LocalPair``; pass
+    another (or ``pair_kwargs`` such as ``connector``, ``layout`` or a fabric) to change how it
+    is built."""
+
+    pair_factory: PairFactory | None = None
+    pair_kwargs: Mapping[str, Any] = field(default_factory=dict)
+    description: str = "local vLLM pair (restarted per configuration)"
+
+    @contextlib.contextmanager
+    def deploy(self, config: VerifyConfig, workdir: Path) -> Iterator[Upstreams]:
+        factory = self.pair_factory
+        if factory is None:
+            from kvtune.local.pair import LocalPair
+            factory = LocalPair
+        kwargs = {**config.pair_kwargs(), "workdir": workdir / "pair",
+                  "spans_dir": workdir / "spans", **dict(self.pair_kwargs)}
+        with factory(**kwargs) as pair:
+            prefill = InstanceConfig(url=pair.prefill_url, engine_id=pair.prefill_engine_id,
+                                     kv_port=pair.prefill_side_channel_port)
+            yield Upstreams(prefill=(prefill,), decode=(InstanceConfig(url=pair.decode_url),))
+
+
+def restart_instructions(config: VerifyConfig, upstreams: Upstreams) -> str:
+    """What the operator changes on each instance before ``config`` is measured."""
+    extra = json.dumps(config.kv_extra_config(), sort_keys=True) if config.kv_extra_config() \
+        else "{} (remove kv_recompute_threshold, decoder_kv_blocks_ttl, bidirectional_kv_xfer)"
+    connector = "NixlPushConnector" if config.mode == "push" else "NixlConnector"
+    lines = [f"Configuration {config.name!r} ({config.source}): mode {config.mode}.",
+             f"Restart every instance with kv_connector {connector} (or kvtune's instrumented "
+             f"subclass) and kv_connector_extra_config {extra}:"]
+    lines += [f"  prefill {i.url}" for i in upstreams.prefill]
+    lines += [f"  decode  {i.url}" for i in upstreams.decode]
+    return "\n".join(lines)
+
+
+@dataclass
+class ClusterBackend:
+    """Instances the operator runs. Before each configuration :func:`restart_instructions` goes to
+    ``confirm`` (the CLI prints it and waits for Enter, or only prints it with ``--no-wait``)."""
+
+    prefill: Sequence[InstanceConfig]
+    decode: Sequence[InstanceConfig]
+    confirm: Callable[[VerifyConfig, str], None]
+    description: str = "cluster (instances restarted by the operator per configuration)"
+
+    def __post_init__(self) -> None:
+        if not self.prefill or not self.decode:
+            raise ConfigError("verify cluster: expected at least one prefill and one decode URL")
+
+    @contextlib.contextmanager
+    def deploy(self, config: VerifyConfig, workdir: Path) -> Iterator[Upstreams]:
+        ups = Upstreams(tuple(self.prefill), tuple(self.decode))
+        self.confirm(config, restart_instructions(config, ups))
+        yield ups

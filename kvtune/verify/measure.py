@@ -1,0 +1,198 @@
+"""Replay a workload under one configuration and measure it: TTFT from the router's spans, reuse
+captured from the prefill's prompt-token counters, decode KV memory from the decode's ``/metrics``.
+
+Requests go through a fresh kvtune router per configuration (``RouterProcess``, its spans written to
+the configuration's working directory). They are sent non-streaming: vLLM 0.32 returns a
+bidirectional turn's retained-block params only in a non-streamed answer, and every configuration
+is measured the same way. TTFT is then the router's ``kv.ttft_ms``: request in -> the prefill's
+first token available (the part reuse and the threshold change).
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Final
+
+from kvtune import spans as sc
+from kvtune.local import client
+from kvtune.local.errors import LocalPairError
+from kvtune.local.metrics import (PromptTokenSources, parse_prometheus,
+                                  prompt_token_sources)
+from kvtune.local.workload import ConversationPlan, HttpTarget, RequestResult, run_workload
+from kvtune.router.config import DEFAULT_DECODER_TTL_S, RouterConfig
+from kvtune.verify import stats
+from kvtune.verify.backends import Backend, Upstreams
+from kvtune.verify.configs import VerifyConfig
+from kvtune.verify.results import ConfigResult, MemorySample, RequestMeasurement
+
+KV_USAGE_METRIC: Final = "vllm:kv_cache_usage_perc"
+"""vLLM's gauge of the KV cache in use, 0..1 (1 = 100 %)."""
+CACHE_INFO_METRIC: Final = "vllm:cache_config_info"
+SAMPLE_INTERVAL_S: Final = 0.5
+"""Decode ``/metrics`` poll period while a configuration runs."""
+COUNTER_SETTLE_S: Final = 2.0
+"""vLLM updates its counters after a step: wait this long after the last answer before reading."""
+ROUTER_SPANS_FILE: Final = "router-spans.jsonl"
+
+_log = logging.getLogger(__name__)
+
+
+def router_config(config: VerifyConfig, ups: Upstreams, spans_path: Path) -> RouterConfig:
+    """The router for ``config``: its mode and the decode's TTL, spans to ``spans_path``."""
+    return RouterConfig(prefill=ups.prefill, decode=ups.decode, mode=sc.Mode(config.mode),
+                        host="127.0.0.1", port=0, state=":memory:",
+                        decoder_ttl_s=config.ttl_s or DEFAULT_DECODER_TTL_S,
+                        telemetry={"json_path": str(spans_path)})
+
+
+def sum_sources(urls: Sequence[str]) -> PromptTokenSources | None:
+    """Prompt tokens by source summed over ``urls``; None when one cannot be read."""
+    total = PromptTokenSources(0, 0, 0)
+    try:
+        for url in urls:
+            s = prompt_token_sources(url)
+            total = PromptTokenSources(total.local_compute_tokens + s.local_compute_tokens,
+                                       total.local_cache_hit_tokens + s.local_cache_hit_tokens,
+                                       total.external_kv_transfer_tokens
+                                       + s.external_kv_transfer_tokens)
+    except LocalPairError as exc:
+        _log.warning("verify: prompt-token counters unreadable (%s); reuse captured not measured",
+                     exc)
+        return None
+    return total
+
+
+def kv_usage_from_text(text: str) -> tuple[float | None, int | None]:
+    """(mean KV usage 0..1 over the exposition's engines, total ``num_gpu_blocks``)."""
+    usage, blocks = [], 0
+    found_blocks = False
+    for name, labels, value in parse_prometheus(text):
+        if name == KV_USAGE_METRIC:
+            usage.append(value)
+        elif name == CACHE_INFO_METRIC and labels.get("num_gpu_blocks", "").isdigit():
+            blocks += int(labels["num_gpu_blocks"])
+            found_blocks = True
+    return (sum(usage) / len(usage) if usage else None), (blocks if found_blocks else None)
+
+
+class MemorySampler:
+    """Polls the decodes' ``/metrics`` on a thread: KV usage over time."""
+
+    def __init__(self, urls: Sequence[str], interval_s: float = SAMPLE_INTERVAL_S) -> None:
+        self.urls, self.interval_s = list(urls), interval_s
+        self.samples: list[MemorySample] = []
+        self.blocks_total: int | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="kvtune-verify-memory", daemon=True)
+        self._t0 = 0.0
+
+    def __enter__(self) -> MemorySampler:
+        self._t0 = time.monotonic()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(10)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            values, blocks = [], 0
+            for url in self.urls:
+                try:
+                    status, text = client.get(url, "/metrics", timeout_s=5.0)
+                except (client.HttpError, OSError):
+                    continue
+                if status != 200:
+                    continue
+                u, b = kv_usage_from_text(text)
+                if u is not None:
+                    values.append(u)
+                if b is not None:
+                    blocks += b
+            if values:
+                self.samples.append(MemorySample(round(time.monotonic() - self._t0, 3),
+                                                 100.0 * sum(values) / len(values)))
+            if blocks:
+                self.blocks_total = blocks
+            self._stop.wait(self.interval_s)
+
+
+def ttft_from_router_spans(path: Path) -> dict[str, float]:
+    """``kv.ttft_ms`` of the router's ``kv.request`` spans by the client's request id."""
+    if not path.exists():
+        return {}
+    from kvtune.traces import load
+
+    df = load(str(path), correct_clocks=False, progress=False)
+    if df.empty:
+        return {}
+    req = df[df["name"] == sc.SpanName.REQUEST.value]
+    out = {}
+    for attrs in req["attrs"]:  # every attribute is in ``attrs``, typed columns only for some
+        attrs = attrs if isinstance(attrs, dict) else {}
+        rid, ttft = attrs.get(sc.CLIENT_REQUEST_ID), attrs.get(sc.TTFT_MS)
+        if isinstance(rid, str) and isinstance(ttft, (int, float)) and ttft == ttft:
+            out[rid] = float(ttft)
+    return out
+
+
+def measurements(results: Sequence[RequestResult],
+                 ttft: dict[str, float]) -> tuple[RequestMeasurement, ...]:
+    return tuple(RequestMeasurement(
+        conversation_id=r.conversation_id, turn=r.turn, prompt_tokens=r.prompt_tokens,
+        ttft_ms=ttft.get(r.request_id, r.ttft_ms) if r.ok else None, latency_ms=r.latency_ms,
+        ok=r.ok, error=r.error) for r in results)
+
+
+def summarize(config: VerifyConfig, requests: tuple[RequestMeasurement, ...], *,
+              reused_tokens: int | None, memory: Sequence[MemorySample],
+              blocks_total: int | None, wall_s: float, seed: int = 0) -> ConfigResult:
+    """The per-configuration statistics of measured requests (pure)."""
+    ttfts = [r.ttft_ms for r in requests if r.ok and r.ttft_ms is not None]
+    enough = len(ttfts) >= stats.MIN_SAMPLES
+    later = sum(r.prompt_tokens for r in requests if r.turn > 1 and r.ok)
+    share = (min(1.0, reused_tokens / later) if reused_tokens is not None and later > 0
+             else None)
+    usage = [m.decode_kv_usage_pct for m in memory]
+    return ConfigResult(
+        config=config, requests=requests,
+        ttft_p50=stats.quantile_ci(ttfts, 0.5, seed=seed, what=f"{config.name} TTFT")
+        if enough else None,
+        ttft_p99=stats.quantile_ci(ttfts, 0.99, seed=seed, what=f"{config.name} TTFT")
+        if enough else None,
+        turn2plus_prompt_tokens=later, reused_tokens=reused_tokens, reuse_captured_share=share,
+        memory=tuple(memory), decode_kv_usage_mean_pct=sum(usage) / len(usage) if usage else None,
+        decode_kv_usage_max_pct=max(usage) if usage else None, decode_kv_blocks_total=blocks_total,
+        wall_s=wall_s)
+
+
+def measure_config(config: VerifyConfig, backend: Backend, plans: Sequence[ConversationPlan],
+                   workdir: Path, *, time_scale: float = 1.0, max_concurrency: int | None = None,
+                   progress: bool = True) -> ConfigResult:
+    """Deploy ``config``, replay ``plans`` through a router for it, measure, tear down."""
+    from kvtune.router.process import RouterProcess
+
+    workdir.mkdir(parents=True, exist_ok=True)
+    spans_path = workdir / ROUTER_SPANS_FILE
+    spans_path.unlink(missing_ok=True)
+    t0 = time.monotonic()
+    with backend.deploy(config, workdir) as ups:
+        prefill_urls = [i.url for i in ups.prefill]
+        before = sum_sources(prefill_urls)
+        with RouterProcess(router_config(config, ups, spans_path),
+                           workdir=workdir / "router") as router, \
+                MemorySampler([i.url for i in ups.decode]) as sampler:
+            results = run_workload(plans, HttpTarget(router.url, stream=False),
+                                   time_scale=time_scale, max_concurrency=max_concurrency,
+                                   progress=progress)
+            time.sleep(COUNTER_SETTLE_S)
+        after = sum_sources(prefill_urls) if before is not None else None
+    reused = ((after - before).external_kv_transfer_tokens
+              if after is not None and before is not None else None)
+    return summarize(config, measurements(results, ttft_from_router_spans(spans_path)),
+                     reused_tokens=reused, memory=sampler.samples,
+                     blocks_total=sampler.blocks_total, wall_s=time.monotonic() - t0)

@@ -1,0 +1,76 @@
+"""The offline HTML page of a verification: verdicts, a table per configuration, the figures
+(plotly.js embedded, as in the tune report)."""
+from __future__ import annotations
+
+import html
+from pathlib import Path
+
+from kvtune.verify import figures
+from kvtune.verify.results import VerifyResult
+
+
+def _fmt(v: float | None, unit: str = "", digits: int = 1) -> str:
+    return "n/a" if v is None else f"{v:.{digits}f}{unit}"
+
+
+def table_rows(result: VerifyResult) -> list[list[str]]:
+    """The per-configuration table (also what the CLI prints)."""
+    rows = [["config", "mode", "threshold", "TTL s", "ok/failed", "TTFT p50 ms [95%]",
+             "TTFT p99 ms [95%]", "reuse captured", "decode KV mean/max %"]]
+    for c in result.configs:
+        p50, p99 = c.ttft_p50, c.ttft_p99
+        n_ok = sum(r.ok for r in c.requests)
+        rows.append([
+            c.config.name, c.config.mode,
+            "default" if c.config.recompute_threshold_tokens is None
+            else str(c.config.recompute_threshold_tokens),
+            "default" if c.config.ttl_s is None else f"{c.config.ttl_s:g}",
+            f"{n_ok}/{c.n_failed}",
+            "n/a" if p50 is None else f"{p50.value_ms:.1f} [{p50.low_ms:.1f}, {p50.high_ms:.1f}]",
+            "n/a" if p99 is None else f"{p99.value_ms:.1f} [{p99.low_ms:.1f}, {p99.high_ms:.1f}]",
+            "n/a" if c.reuse_captured_share is None else f"{c.reuse_captured_share:.0%}",
+            f"{_fmt(c.decode_kv_usage_mean_pct)}/{_fmt(c.decode_kv_usage_max_pct)}"])
+    return rows
+
+
+def render(result: VerifyResult) -> str:
+    import plotly.io as pio
+    from plotly.offline import get_plotlyjs
+
+    e = html.escape
+    rows = table_rows(result)
+    table = ("<table><tr>" + "".join(f"<th>{e(h)}</th>" for h in rows[0]) + "</tr>"
+             + "".join("<tr>" + "".join(f"<td>{e(v)}</td>" for v in r) + "</tr>"
+                       for r in rows[1:]) + "</table>")
+    verdicts = "".join(f'<p class="verdict">{e(c.verdict)}</p>' for c in result.comparisons)
+    parts = [f"<h1>kvtune verify</h1><p class='meta'>Target: {e(result.target)}. Workload: "
+             f"{e(result.workload)}. {e(result.created_utc)}, kvtune {e(result.kvtune_version)}."
+             "</p>", f'<section id="verdicts">{verdicts}</section>', table]
+    figs = [("comparison", figures.comparison(result))]
+    if result.crossover is not None:
+        cx = result.crossover
+        est = cx.estimate
+        where = ("n/a" if est.tokens is None else f"{est.tokens:.0f} tokens") + (
+            "" if est.low_tokens is None else f", 95% interval [{est.low_tokens:.0f}, "
+                                              f"{est.high_tokens:.0f}]")
+        inside = {True: "inside", False: "outside", None: "not comparable with"}[cx.inside_range]
+        parts.append(f'<p id="crossover-text">Measured crossover: {e(where)} ({e(est.side)}); '
+                     f'{inside} the recommended range {e(str(cx.recommended_range_tokens))}.</p>')
+        figs.append(("crossover", figures.crossover(cx)))
+    for name, fig in figs:
+        parts.append(f'<div class="figure" id="fig-{name}">' + pio.to_html(
+            fig, include_plotlyjs=False, full_html=False, div_id=f"plot-{name}",
+            config={"displaylogo": False}) + "</div>")
+    return ("<!DOCTYPE html><html><head><meta charset='utf-8'><title>kvtune verify</title>"
+            f"<script type='text/javascript'>{get_plotlyjs()}</script>"
+            "<style>body{font-family:sans-serif;margin:1em 2em;max-width:1300px}"
+            "table{border-collapse:collapse}td,th{border:1px solid #ccc;padding:4px 8px}"
+            ".verdict{font-weight:bold}.meta{color:#444}</style></head><body>"
+            + "\n".join(parts) + "</body></html>")
+
+
+def write(result: VerifyResult, path: str | Path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(render(result))
+    return path

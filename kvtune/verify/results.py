@@ -1,0 +1,208 @@
+"""What ``kvtune verify`` measured: frozen dataclasses with units in the field names, and their
+JSON form (``verify.json``, :data:`RESULT_FORMAT`). :func:`result_from_json` reads it back, so the
+tune report, the notebook and the tests read the same file."""
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Final
+
+from kvtune.errors import ConfigError
+from kvtune.verify.configs import VerifyConfig
+from kvtune.verify.stats import CrossoverEstimate, PairedChange, QuantileEstimate
+
+RESULT_FORMAT: Final = "kvtune.verify/1"
+RESULT_FILE: Final = "verify.json"
+PAGE_FILE: Final = "verify.html"
+MAX_RESULT_BYTES: Final = 64 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class RequestMeasurement:
+    """One request of the replayed workload under one configuration."""
+
+    conversation_id: str
+    turn: int
+    prompt_tokens: int
+    ttft_ms: float | None
+    """From the router's ``kv.request`` span (request in -> first token available)."""
+    latency_ms: float
+    ok: bool
+    error: str = ""
+
+    @property
+    def key(self) -> str:
+        """Matches the same request under another configuration."""
+        return f"{self.conversation_id}#{self.turn}"
+
+
+@dataclass(frozen=True)
+class MemorySample:
+    t_s: float
+    """Seconds since the configuration's replay started."""
+    decode_kv_usage_pct: float
+    """vLLM's ``vllm:kv_cache_usage_perc`` on the decode instance(s), 0..100."""
+
+
+@dataclass(frozen=True)
+class ConfigResult:
+    config: VerifyConfig
+    requests: tuple[RequestMeasurement, ...]
+    ttft_p50: QuantileEstimate | None
+    ttft_p99: QuantileEstimate | None
+    turn2plus_prompt_tokens: int
+    """Prompt tokens of every turn after a conversation's first (what reuse could serve)."""
+    reused_tokens: int | None
+    """Prompt tokens the prefill loaded through the KV connector during the replay (its
+    ``external_kv_transfer`` counter): history pulled back from the decode. None: not readable."""
+    reuse_captured_share: float | None
+    """``reused_tokens / turn2plus_prompt_tokens``."""
+    memory: tuple[MemorySample, ...]
+    decode_kv_usage_mean_pct: float | None
+    decode_kv_usage_max_pct: float | None
+    decode_kv_blocks_total: int | None
+    """The decode's KV blocks (``num_gpu_blocks`` of ``vllm:cache_config_info``), when shown."""
+    wall_s: float
+
+    @property
+    def n_failed(self) -> int:
+        return sum(not r.ok for r in self.requests)
+
+    def ttft_by_key(self) -> dict[str, float]:
+        return {r.key: r.ttft_ms for r in self.requests if r.ok and r.ttft_ms is not None}
+
+
+@dataclass(frozen=True)
+class Comparison:
+    baseline: str
+    candidate: str
+    p50: PairedChange | None
+    p99: PairedChange | None
+    verdict: str
+
+
+@dataclass(frozen=True)
+class CrossoverPoint:
+    history_tokens: int
+    reuse: str
+    """``"on"`` (threshold 1: every history pulled back) or ``"off"`` (never pulled)."""
+    ttft_ms: float
+
+
+@dataclass(frozen=True)
+class CrossoverResult:
+    points: tuple[CrossoverPoint, ...]
+    estimate: CrossoverEstimate
+    recommended_threshold_tokens: float | None
+    recommended_range_tokens: tuple[float, float] | None
+    predicted_break_even_tokens: float | None
+    inside_range: bool | None
+    """Whether the measured crossover lies inside the recommended range (None: not comparable)."""
+
+
+@dataclass(frozen=True)
+class VerifyResult:
+    format: str
+    created_utc: str
+    kvtune_version: str
+    target: str
+    workload: str
+    configs: tuple[ConfigResult, ...]
+    comparisons: tuple[Comparison, ...]
+    crossover: CrossoverResult | None = None
+
+
+def to_json(result: VerifyResult) -> dict[str, Any]:
+    return _plain(dataclasses.asdict(result))
+
+
+def _plain(v: Any) -> Any:
+    if isinstance(v, dict):
+        return {k: _plain(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_plain(x) for x in v]
+    if isinstance(v, float) and v != v:
+        return None
+    return v
+
+
+def write(result: VerifyResult, path: str | Path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(to_json(result), indent=1))
+    tmp.replace(path)
+    return path
+
+
+def read(path: str | Path) -> VerifyResult:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"verify result {path}: no such file")
+    if path.stat().st_size > MAX_RESULT_BYTES:
+        raise ConfigError(f"verify result {path}: larger than {MAX_RESULT_BYTES} bytes")
+    try:
+        data = json.loads(path.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ConfigError(f"verify result {path}: expected JSON: {exc}") from None
+    return result_from_json(data, source=str(path))
+
+
+def _build(cls: type, data: Any, where: str) -> Any:
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where}: expected an object for {cls.__name__}")
+    names = {f.name for f in dataclasses.fields(cls)}
+    try:
+        return cls(**{k: v for k, v in data.items() if k in names})
+    except TypeError as exc:
+        raise ConfigError(f"{where}: {cls.__name__}: {exc}") from None
+
+
+def _tuple_fields(obj: Any, **names: Any) -> Any:
+    return dataclasses.replace(obj, **{k: tuple(v) if isinstance(v, list) else v
+                                       for k, v in names.items()})
+
+
+def result_from_json(data: Any, *, source: str = "verify result") -> VerifyResult:
+    if not isinstance(data, dict) or data.get("format") != RESULT_FORMAT:
+        raise ConfigError(f"{source}: field 'format': expected {RESULT_FORMAT!r}, got "
+                          f"{data.get('format') if isinstance(data, dict) else data!r}"[:300])
+    configs = []
+    for i, c in enumerate(data.get("configs") or []):
+        w = f"{source}: configs[{i}]"
+        if not isinstance(c, dict):
+            raise ConfigError(f"{w}: expected an object")
+        q = {k: _build(QuantileEstimate, c[k], f"{w}.{k}") if c.get(k) is not None else None
+             for k in ("ttft_p50", "ttft_p99")}
+        configs.append(_build(ConfigResult, {
+            **c, **q, "config": _build(VerifyConfig, c.get("config"), f"{w}.config"),
+            "requests": tuple(_build(RequestMeasurement, r, f"{w}.requests")
+                              for r in c.get("requests") or []),
+            "memory": tuple(_build(MemorySample, m, f"{w}.memory") for m in c.get("memory") or [])},
+            w))
+    comps = []
+    for i, c in enumerate(data.get("comparisons") or []):
+        w = f"{source}: comparisons[{i}]"
+        if not isinstance(c, dict):
+            raise ConfigError(f"{w}: expected an object")
+        comps.append(_build(Comparison, {
+            **c, **{k: _build(PairedChange, c[k], f"{w}.{k}") if c.get(k) is not None else None
+                    for k in ("p50", "p99")}}, w))
+    cross = None
+    if data.get("crossover") is not None:
+        cd, w = data["crossover"], f"{source}: crossover"
+        if not isinstance(cd, dict):
+            raise ConfigError(f"{w}: expected an object")
+        est = _tuple_fields(_build(CrossoverEstimate, cd.get("estimate"), f"{w}.estimate"),
+                            lengths_tokens=cd["estimate"].get("lengths_tokens", ()),
+                            diff_p50_ms=cd["estimate"].get("diff_p50_ms", ()))
+        rng = cd.get("recommended_range_tokens")
+        cross = _build(CrossoverResult, {
+            **cd, "estimate": est,
+            "points": tuple(_build(CrossoverPoint, p, f"{w}.points")
+                            for p in cd.get("points") or []),
+            "recommended_range_tokens": tuple(rng) if isinstance(rng, list) else rng}, w)
+    return _build(VerifyResult, {**data, "configs": tuple(configs), "comparisons": tuple(comps),
+                                 "crossover": cross}, source)

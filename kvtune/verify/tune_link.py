@@ -1,0 +1,70 @@
+"""A verification seen from a ``kvtune tune`` output directory: the report's verification line.
+
+``kvtune verify --tune-dir OUT`` writes its result to ``OUT/verify/verify.json``; then
+:func:`attach` puts the verdict into ``OUT/configs/recommendation.json`` (key
+``verification``), adds the comparison figure to ``OUT/figures`` and renders ``OUT/report.html``
+again, and :func:`verification_for_tune_dir` is what ``kvtune tune`` calls on its own output
+directory: a verification of *other* values (an earlier run's) is never shown as this one's.
+"""
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Final
+
+from kvtune.errors import KvtuneError
+from kvtune.verify import figures, results, verdict
+
+VERIFY_DIR: Final = "verify"
+FIGURE_PREFIX: Final = "verify"
+"""Figures land in ``figures/verify--*.json``: the report's section for the name ``verify``."""
+
+
+def result_path(tune_dir: str | Path) -> Path:
+    return Path(tune_dir) / VERIFY_DIR / results.RESULT_FILE
+
+
+def verification_for_tune_dir(tune_dir: str | Path,
+                              recommendation: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The ``verification`` entry for ``recommendation`` from ``tune_dir/verify/verify.json``;
+    None when there is none, it cannot be read, or it verified other values."""
+    path = result_path(tune_dir)
+    if not path.is_file():
+        return None
+    try:
+        res = results.read(path)
+    except KvtuneError:
+        return None
+    if not verdict.matches_recommendation(res, recommendation):
+        return None
+    return verdict.verification_entry(res, result_path=f"{VERIFY_DIR}/{results.RESULT_FILE}")
+
+
+def attach(result: results.VerifyResult, tune_dir: str | Path) -> Path | None:
+    """Show ``result`` in the tune report of ``tune_dir``; returns the report (None when the
+    directory has no recommendation or the result verified other values)."""
+    from kvtune.tune.headline import VERIFY_KEY
+    from kvtune.tune.notebooks import TUNE_NOTEBOOKS
+    from kvtune.tune.report import write_report
+
+    tune = Path(tune_dir)
+    rec_path = tune / "configs" / "recommendation.json"
+    if not rec_path.is_file():
+        return None
+    rec = json.loads(rec_path.read_text())
+    if not verdict.matches_recommendation(result, rec):
+        return None
+    rec[VERIFY_KEY] = verdict.verification_entry(
+        result, result_path=f"{VERIFY_DIR}/{results.RESULT_FILE}")
+    rec_path.write_text(json.dumps(rec, indent=2))
+    figs = tune / "figures"
+    figs.mkdir(parents=True, exist_ok=True)
+    (figs / f"{FIGURE_PREFIX}--comparison.json").write_text(figures.comparison(result).to_json())
+    if result.crossover is not None:
+        (figs / f"{FIGURE_PREFIX}--crossover.json").write_text(
+            figures.crossover(result.crossover).to_json())
+    source = str(rec.get("report_source") or rec.get("trace_source") or "see the notebooks")
+    return write_report(tune / "report.html", figs, title="kvtune tuning report", source=source,
+                        values={}, notebooks=[*TUNE_NOTEBOOKS, FIGURE_PREFIX],
+                        recommendation=rec, configs_dir=rec_path.parent)

@@ -1,0 +1,119 @@
+"""Comparisons between configurations and the sentences that state them: the verdict of the
+verify page and the ``verification`` entry the tune report shows at its top."""
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any, Final
+
+from kvtune.errors import AnalysisError
+from kvtune.verify import stats
+from kvtune.verify.configs import DEFAULTS, RECOMMENDED
+from kvtune.verify.results import Comparison, ConfigResult, VerifyResult
+
+STATUS_BETTER: Final = "verified: faster than defaults"
+STATUS_NOT_WORSE: Final = "verified: not worse than defaults"
+STATUS_WORSE: Final = "not confirmed: slower than defaults"
+STATUS_UNKNOWN: Final = "not verified: too few matched requests"
+
+
+def _pct(v: float) -> str:
+    return f"{v:.1f}"
+
+
+def verdict_text(baseline: str, candidate: str, change: stats.PairedChange | None,
+                 label: str = "p50") -> str:
+    """``"recommended is 12.3% faster than defaults at p50, 95% interval [4.1, 19.0]"``."""
+    if change is None:
+        return (f"{candidate} vs {baseline}: too few requests measured under both to compare "
+                f"at {label}")
+    word = "faster" if change.faster_pct >= 0 else "slower"
+    return (f"{candidate} is {_pct(abs(change.faster_pct))}% {word} than {baseline} at {label} "
+            f"({change.candidate_ms:.1f} ms vs {change.baseline_ms:.1f} ms, {change.n_pairs} "
+            f"matched requests), {stats.CONFIDENCE:.0%} interval of the difference "
+            f"[{_pct(change.low_pct)}, {_pct(change.high_pct)}]% faster")
+
+
+def compare(baseline: ConfigResult, candidate: ConfigResult, *, seed: int = 0) -> Comparison:
+    """Paired bootstrap of ``candidate`` against ``baseline`` over the requests both measured."""
+    b, c = baseline.ttft_by_key(), candidate.ttft_by_key()
+    out: dict[str, stats.PairedChange | None] = {}
+    for label, q in (("p50", 0.5), ("p99", 0.99)):
+        try:
+            out[label] = stats.paired_change(b, c, q, seed=seed)
+        except AnalysisError:
+            out[label] = None
+    return Comparison(baseline.config.name, candidate.config.name, out["p50"], out["p99"],
+                      verdict_text(baseline.config.name, candidate.config.name, out["p50"]))
+
+
+def comparisons(configs: Sequence[ConfigResult], baseline: str | None = None,
+                seed: int = 0) -> tuple[Comparison, ...]:
+    """Every configuration against ``baseline`` (default: the one named ``defaults``, else the
+    first)."""
+    if len(configs) < 2:
+        return ()
+    names = [c.config.name for c in configs]
+    base_name = baseline or (DEFAULTS if DEFAULTS in names else names[0])
+    if base_name not in names:
+        raise AnalysisError(f"verify: baseline {base_name!r} is not among the configurations "
+                            f"{names}")
+    base = configs[names.index(base_name)]
+    return tuple(compare(base, c, seed=seed) for c in configs if c.config.name != base_name)
+
+
+def headline_comparison(result: VerifyResult) -> Comparison | None:
+    """The comparison the tune report states: ``recommended`` against the baseline, else the
+    first one."""
+    for c in result.comparisons:
+        if c.candidate == RECOMMENDED:
+            return c
+    return result.comparisons[0] if result.comparisons else None
+
+
+def status(change: stats.PairedChange | None) -> str:
+    if change is None:
+        return STATUS_UNKNOWN
+    if change.low_pct > 0:
+        return STATUS_BETTER
+    if change.high_pct >= 0:
+        return STATUS_NOT_WORSE
+    return STATUS_WORSE
+
+
+def verification_entry(result: VerifyResult, *, result_path: str = "verify/verify.json"
+                       ) -> dict[str, Any] | None:
+    """The ``verification`` object of ``recommendation.json`` (read by
+    ``kvtune.tune.headline.Verification``); None without a comparison."""
+    comp = headline_comparison(result)
+    if comp is None:
+        return None
+    ch = comp.p50
+    detail = (f"{comp.candidate} beat {comp.baseline} by {_pct(ch.faster_pct)}% at TTFT p50, "
+              f"{stats.CONFIDENCE:.0%} interval [{_pct(ch.low_pct)}, {_pct(ch.high_pct)}]% "
+              f"({ch.n_pairs} matched requests, {result.target}; {result_path})"
+              if ch is not None and ch.faster_pct >= 0 else
+              f"{comp.verdict} ({result.target}; {result_path})")
+    return {"status": status(ch),
+            "ttft_p50_change_pct": round(-ch.faster_pct, 2) if ch is not None else None,
+            "detail": detail, "baseline": comp.baseline, "candidate": comp.candidate}
+
+
+def matches_recommendation(result: VerifyResult, rec: Mapping[str, Any]) -> bool:
+    """Whether the result's ``recommended`` configuration holds the values of ``rec``
+    (``recommendation.json``): a verification of other values is not shown as this one's."""
+    from kvtune.verify.configs import from_recommendation
+    from pathlib import Path
+
+    try:
+        want = from_recommendation(Path("recommendation.json"), data=dict(rec))
+    except Exception:  # noqa: BLE001 - an unreadable recommendation is simply not matched
+        return False
+    comp = headline_comparison(result)
+    if comp is None:
+        return False
+    for c in result.configs:
+        if c.config.name == comp.candidate:
+            got = c.config
+            return (got.mode, got.recompute_threshold_tokens, got.ttl_s) == (
+                want.mode, want.recompute_threshold_tokens, want.ttl_s)
+    return False

@@ -1,0 +1,93 @@
+"""``kvtune verify``'s CLI: it parses and coerces, then calls run_verify (patched here); bad input
+exits 2 with the field named."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kvtune import cli
+from kvtune.verify import cli as vcli
+from kvtune.verify.backends import ClusterBackend, LocalPairBackend
+from kvtune.verify.run import assemble
+
+
+@pytest.fixture
+def calls(monkeypatch):
+    seen = []
+
+    def fake(configs, backend, plans, out, **kw):
+        seen.append((configs, backend, plans, out, kw))
+        return assemble([], target=backend.description, workload=kw["workload"])
+    monkeypatch.setattr("kvtune.verify.run.run_verify", fake)
+    return seen
+
+
+def test_two_configs_on_the_local_pair(calls, tmp_path, capsys):
+    rc = cli.main(["verify", "--config", "defaults", "--config", "b=defaults:bidirectional",
+                   "--conversations", "3", "--turns", "2", "2", "--out", str(tmp_path / "o"),
+                   "--save-workload", str(tmp_path / "w.json"), "--connector", "vllm",
+                   "--layout", "quiet", "--no-progress"])
+    assert rc == 0
+    ((configs, backend, plans, out, kw),) = calls
+    assert [c.name for c in configs] == ["defaults", "b"]
+    assert isinstance(backend, LocalPairBackend)
+    assert backend.pair_kwargs == {"connector": "vllm", "layout": "quiet"}
+    assert len(plans) == 3 and out == tmp_path / "o" and kw["crossover"] is None
+    assert json.loads((tmp_path / "w.json").read_text())["format"] == "kvtune.workload/1"
+    assert "3 conversations, 6 requests" in kw["workload"]
+
+
+def test_tune_dir_defaults_and_crossover_grid(calls, tmp_path):
+    (tmp_path / "t" / "configs").mkdir(parents=True)
+    (tmp_path / "t" / "configs" / "recommendation.json").write_text(json.dumps({
+        "recommendations": {
+            "mode": {"value": "bidirectional"},
+            "kv_recompute_threshold": {"value": 55, "range": [17, 74],
+                                       "evidence": {"break_even_tokens": 54.9}},
+            "decoder_kv_blocks_ttl": {"value": 22}}}))
+    assert cli.main(["verify", "--tune-dir", str(tmp_path / "t"), "--crossover",
+                     "--no-progress"]) == 0
+    ((configs, _, _, out, kw),) = calls
+    assert [c.name for c in configs] == ["defaults", "recommended"]
+    assert configs[1].recompute_threshold_tokens == 55
+    assert out == tmp_path / "t" / "verify"
+    lengths = kw["crossover"].lengths_tokens
+    assert lengths[0] <= 17 and lengths[-1] >= 74 * 2  # spans the range and 4x the break-even
+
+
+def test_cluster_target(calls, tmp_path):
+    assert cli.main(["verify", "--config", "defaults", "--config", "defaults:bidirectional",
+                     "--prefill", "http://10.0.0.1:8100/", "--decode", "http://10.0.0.2:8200",
+                     "--no-wait", "--out", str(tmp_path)]) == 0
+    backend = calls[0][1]
+    assert isinstance(backend, ClusterBackend)
+    assert backend.prefill[0].url == "http://10.0.0.1:8100"
+
+
+@pytest.mark.parametrize("argv,match", [
+    (["verify"], "expected --config"),
+    (["verify", "--config", "defaults", "--prefill", "http://h:1"], "go together"),
+    (["verify", "--config", "nothing-here.yaml"], "no such file"),
+    (["verify", "--config", "defaults", "--crossover", "--crossover-lengths", "a,b"],
+     "comma-separated integers"),
+    (["verify", "--config", "defaults", "--crossover", "--crossover-lengths", "64"],
+     "at least 2 distinct"),
+    (["verify", "--tune-dir", "/nonexistent-kvtune"], "no configs/recommendation.json"),
+])
+def test_bad_arguments_exit_2_naming_the_input(calls, argv, match, capsys, tmp_path):
+    assert cli.main(argv + ["--out", str(tmp_path)]) == 2
+    assert match in capsys.readouterr().err
+    assert calls == []
+
+
+def test_fabric_goes_to_the_pair_when_it_takes_one(calls, tmp_path, capsys):
+    import inspect
+
+    from kvtune.local.pair import LocalPair
+    rc = cli.main(["verify", "--config", "defaults", "--fabric", "shaped:1gbit",
+                   "--out", str(tmp_path)])
+    if "fabric" in inspect.signature(LocalPair).parameters:
+        assert rc == 0 and calls[0][1].pair_kwargs["fabric"] == "shaped:1gbit"
+    else:
+        assert rc == 2 and "no 'fabric' option" in capsys.readouterr().err and calls == []

@@ -1,0 +1,210 @@
+"""verify.json, the page, the verdict and the tune report's verification line, from a recorded real
+run (``examples/verify-local-smoke``: the local vLLM pair, two configurations and a two-length
+crossover sweep; see its README for the command)."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from kvtune.errors import ConfigError
+from kvtune.verify import measure, page, results, verdict
+from kvtune.verify import crossover as X
+from kvtune.verify.configs import VerifyConfig
+from kvtune.verify.results import RequestMeasurement
+from kvtune.verify.stats import PairedChange
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "verify-local-smoke"
+
+
+@pytest.fixture(scope="module")
+def recorded() -> results.VerifyResult:
+    return results.read(EXAMPLE / results.RESULT_FILE)
+
+
+def test_recorded_result_reads_and_round_trips(recorded, tmp_path):
+    assert recorded.format == results.RESULT_FORMAT
+    assert [c.config.name for c in recorded.configs] == ["defaults", "bidi"]
+    back = results.read(results.write(recorded, tmp_path / "v.json"))
+    assert back == recorded
+    data = json.loads((tmp_path / "v.json").read_text())
+    # units are in the field names
+    cfg = data["configs"][0]
+    assert {"ttft_p50", "reuse_captured_share", "decode_kv_usage_mean_pct", "wall_s"} <= set(cfg)
+    assert {"value_ms", "low_ms", "high_ms"} <= set(cfg["ttft_p50"])
+
+
+def test_recorded_real_run_measured_what_it_claims(recorded):
+    defaults, bidi = recorded.configs
+    for c in recorded.configs:
+        assert c.n_failed == 0 and len(c.requests) >= 8
+        assert all(r.ttft_ms is not None and r.ttft_ms > 0 for r in c.requests)
+        assert c.ttft_p50.low_ms <= c.ttft_p50.value_ms <= c.ttft_p50.high_ms
+        assert c.ttft_p50.value_ms <= c.ttft_p99.value_ms
+        assert c.memory and c.decode_kv_blocks_total and c.decode_kv_blocks_total > 0
+    # pull mode never pulls history back; bidirectional turns 2 did (real prefill counters)
+    assert defaults.reused_tokens == 0 and defaults.reuse_captured_share == 0
+    assert bidi.reused_tokens > 0 and 0 < bidi.reuse_captured_share <= 1
+    (comp,) = recorded.comparisons
+    assert (comp.baseline, comp.candidate) == ("defaults", "bidi")
+    assert comp.p50.n_pairs == len(bidi.requests)
+    assert comp.p50.low_pct <= comp.p50.faster_pct <= comp.p50.high_pct
+
+
+def test_recorded_crossover(recorded):
+    cx = recorded.crossover
+    assert cx is not None
+    assert set(cx.estimate.lengths_tokens) == {32, 256}
+    assert {p.reuse for p in cx.points} == {"on", "off"}
+    assert cx.recommended_range_tokens == (17.0, 74.0)
+    # re-analysing the recorded points gives the recorded estimate (the analysis is pure)
+    again = X.analyze(cx.points, {"recommendations": {"kv_recompute_threshold": {
+        "value": cx.recommended_threshold_tokens, "range": list(cx.recommended_range_tokens),
+        "evidence": {"break_even_tokens": cx.predicted_break_even_tokens}}}})
+    assert again.estimate == cx.estimate and again.inside_range == cx.inside_range
+
+
+def test_page_has_verdicts_table_and_figures(recorded):
+    html = page.render(recorded)
+    assert recorded.comparisons[0].verdict.split(" (")[0] in html
+    assert 'id="plot-comparison"' in html and 'id="plot-crossover"' in html
+    assert "Measured crossover" in html
+    # plotly.js is inline (the page works offline), not a <script src=...> from a CDN
+    assert "<script src=" not in html and len(html) > 1_000_000
+    rows = page.table_rows(recorded)
+    assert rows[0][0] == "config" and [r[0] for r in rows[1:]] == ["defaults", "bidi"]
+
+
+def test_verdict_wording_and_status():
+    ch = PairedChange(0.5, 12.34, 4.0, 19.0, 40, 100.0, 87.66)
+    text = verdict.verdict_text("defaults", "recommended", ch)
+    assert text.startswith("recommended is 12.3% faster than defaults at p50")
+    assert "[4.0, 19.0]" in text
+    assert verdict.status(ch) == verdict.STATUS_BETTER
+    assert verdict.status(dataclasses.replace(ch, low_pct=-3.0)) == verdict.STATUS_NOT_WORSE
+    slow = dataclasses.replace(ch, faster_pct=-20.0, low_pct=-30.0, high_pct=-10.0)
+    assert verdict.status(slow) == verdict.STATUS_WORSE
+    assert "20.0% slower" in verdict.verdict_text("d", "r", slow)
+    assert verdict.status(None) == verdict.STATUS_UNKNOWN
+
+
+def _tune_dir(tmp_path: Path, recorded: results.VerifyResult, *, matching: bool) -> Path:
+    tune = tmp_path / "tune"
+    (tune / "configs").mkdir(parents=True)
+    bidi = recorded.configs[1].config
+    rec = {"model": "m", "recommendations": {
+        "mode": {"value": "bidirectional" if matching else "pull",
+                 "range": ["bidirectional", "pull"]},
+        "kv_recompute_threshold": {"value": bidi.recompute_threshold_tokens, "range": [17, 74]},
+        "decoder_kv_blocks_ttl": {"value": bidi.ttl_s, "range": [4, 22]}}}
+    (tune / "configs" / "recommendation.json").write_text(json.dumps(rec))
+    return tune
+
+
+def _as_recommended(recorded: results.VerifyResult) -> results.VerifyResult:
+    cfgs = list(recorded.configs)
+    cfgs[1] = dataclasses.replace(cfgs[1], config=dataclasses.replace(cfgs[1].config,
+                                                                        name="recommended"))
+    comps = tuple(dataclasses.replace(c, candidate="recommended") for c in recorded.comparisons)
+    return dataclasses.replace(recorded, configs=tuple(cfgs), comparisons=comps)
+
+
+def test_tune_report_shows_a_matching_verification(recorded, tmp_path):
+    from kvtune.tune import headline
+    from kvtune.verify import tune_link
+
+    res = _as_recommended(recorded)
+    tune = _tune_dir(tmp_path, recorded, matching=True)
+    report = tune_link.attach(res, tune)
+    assert report is not None
+    rec = json.loads((tune / "configs" / "recommendation.json").read_text())
+    entry = rec[headline.VERIFY_KEY]
+    assert entry["status"] == verdict.status(res.comparisons[0].p50)
+    assert entry["ttft_p50_change_pct"] == pytest.approx(-res.comparisons[0].p50.faster_pct,
+                                                         abs=0.01)
+    html = report.read_text()
+    assert 'id="verification"' in html and entry["status"] in html
+    assert "not-verified" not in html.split('id="verification"')[1][:40] or \
+        entry["status"].startswith("not ")
+    assert "Verification: measured TTFT per configuration" in html  # the figure's section
+    # what `kvtune tune` reads from its own output directory
+    results.write(res, tune_link.result_path(tune))
+    assert tune_link.verification_for_tune_dir(tune, rec)["status"] == entry["status"]
+
+
+def test_a_verification_of_other_values_is_not_shown(recorded, tmp_path):
+    from kvtune.verify import tune_link
+
+    res = _as_recommended(recorded)
+    tune = _tune_dir(tmp_path, recorded, matching=False)
+    assert tune_link.attach(res, tune) is None
+    results.write(res, tune_link.result_path(tune))
+    rec = json.loads((tune / "configs" / "recommendation.json").read_text())
+    assert tune_link.verification_for_tune_dir(tune, rec) is None
+    assert tune_link.verification_for_tune_dir(tmp_path / "empty", rec) is None
+
+
+def test_headline_reads_the_entry():
+    from kvtune.tune.headline import Verification
+
+    v = Verification.from_json({"status": verdict.STATUS_BETTER, "ttft_p50_change_pct": -12.5,
+                                "detail": "recommended beat defaults by 12.5%"})
+    assert v.text().startswith("Verification: verified: faster than defaults, TTFT p50 -12.5%")
+
+
+def test_bad_result_files(tmp_path):
+    p = tmp_path / "v.json"
+    p.write_text(json.dumps({"format": "nope"}))
+    with pytest.raises(ConfigError, match="field 'format'"):
+        results.read(p)
+    p.write_text("[")
+    with pytest.raises(ConfigError, match="expected JSON"):
+        results.read(p)
+    p.write_text(json.dumps({"format": results.RESULT_FORMAT, "configs": [{"config": 3}]}))
+    with pytest.raises(ConfigError, match=r"configs\[0\].config"):
+        results.read(p)
+
+
+def test_router_spans_give_ttft_by_client_request_id():
+    ttft = measure.ttft_from_router_spans(EXAMPLE / "router-spans-defaults.jsonl")
+    recorded = results.read(EXAMPLE / results.RESULT_FILE)
+    assert len(ttft) == len(recorded.configs[0].requests)
+    assert all(v > 0 for v in ttft.values())
+    assert sorted(round(v, 6) for v in ttft.values()) == sorted(
+        round(r.ttft_ms, 6) for r in recorded.configs[0].requests)
+
+
+def test_kv_usage_and_summary_are_pure():
+    text = ('# HELP vllm:kv_cache_usage_perc KV-cache usage.\n'
+            'vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.25\n'
+            'vllm:cache_config_info{block_size="128",engine="0",num_gpu_blocks="256"} 1.0\n')
+    assert measure.kv_usage_from_text(text) == (0.25, 256)
+    assert measure.kv_usage_from_text("") == (None, None)
+    reqs = (RequestMeasurement("c", 1, 100, 10.0, 20.0, True),
+            RequestMeasurement("c", 2, 300, 12.0, 20.0, True),
+            RequestMeasurement("d", 2, 100, None, 20.0, False, "HttpError"))
+    s = measure.summarize(VerifyConfig("x", "bidirectional"), reqs, reused_tokens=150,
+                          memory=(), blocks_total=None, wall_s=1.0)
+    assert s.turn2plus_prompt_tokens == 300 and s.reuse_captured_share == 0.5
+    assert s.n_failed == 1 and s.ttft_p50.value_ms == 11.0
+    assert s.decode_kv_usage_mean_pct is None
+
+
+def test_crossover_plans_and_lengths():
+    spec = X.CrossoverSpec((32, 256), repeats=3)
+    plans = X.plans(spec)
+    assert len(plans) == 6 and plans == X.plans(spec)
+    for p in plans:
+        h = X.history_of(p.conversation_id)
+        t1, t2 = p.turns
+        assert len(t1.user_tokens) + t1.max_tokens == h and t2.max_tokens == 1
+    grid = X.lengths_around(55, (17, 74))
+    assert grid[0] <= 17 and grid[-1] >= 220 and list(grid) == sorted(set(grid))
+    assert X.lengths_around(None)[-1] <= X.MAX_HISTORY_TOKENS
+    with pytest.raises(ConfigError, match="repeats"):
+        X.CrossoverSpec((32, 64), repeats=1)
+    with pytest.raises(ConfigError, match="lengths_tokens"):
+        X.CrossoverSpec((32, 5000))

@@ -1,0 +1,57 @@
+"""kvtune verify end to end without engines: the real router (a subprocess per configuration, its
+spans on disk) in front of vLLM stand-ins, through the cluster backend (what an operator is told to
+restart), then the JSON and the page. Stand-ins have no ``/metrics``: reuse and memory are n/a."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kvtune.local.workload import WorkloadConfig, generate
+from kvtune.router.standin import StandInVllmCluster
+from kvtune.verify import results
+from kvtune.verify.backends import ClusterBackend
+from kvtune.verify.configs import load_config
+from kvtune.verify.run import run_verify
+
+SMALL = WorkloadConfig(n_conversations=3, turns=(2, 2), system_prompt_tokens=4,
+                       first_user_tokens=(4, 8), follow_up_tokens=(2, 4), output_tokens=(2, 3),
+                       think_time_s=(0.0, 0.05), arrival_rate_per_s=50.0, seed=3)
+
+
+def test_verify_through_router_and_standins(tmp_path):
+    told = []
+    with StandInVllmCluster(bidirectional=True) as cluster:
+        backend = ClusterBackend([s.instance() for s in cluster.prefill],
+                                 [s.instance() for s in cluster.decode],
+                                 confirm=lambda cfg, text: told.append((cfg.name, text)))
+        res = run_verify([load_config("defaults"), load_config("bidi=defaults:bidirectional")],
+                         backend, generate(SMALL), tmp_path / "out", workload="small",
+                         progress=False)
+    assert [name for name, _ in told] == ["defaults", "bidi"]
+    assert "bidirectional_kv_xfer" in told[1][1] and cluster.decode[0].instance().url in told[1][1]
+    assert [c.config.name for c in res.configs] == ["defaults", "bidi"]
+    for c in res.configs:
+        assert len(c.requests) == 6 and c.n_failed == 0
+        # TTFT comes from the router's kv.request spans, matched by the client's request id
+        assert all(r.ttft_ms is not None and r.ttft_ms > 0 for r in c.requests)
+        assert c.ttft_p50 is not None and c.ttft_p50.n == 6
+        assert c.reused_tokens is None and c.reuse_captured_share is None  # no /metrics here
+        assert c.turn2plus_prompt_tokens == sum(r.prompt_tokens for r in c.requests if r.turn > 1)
+    (comp,) = res.comparisons
+    assert (comp.baseline, comp.candidate) == ("defaults", "bidi") and comp.p50.n_pairs == 6
+    assert comp.verdict.startswith("bidi is ")
+    # bidirectional turns 2 were offered the decode's retained history by the router
+    bidi_prefills = [r for r in cluster.requests("prefill")
+                     if (r.body.get("kv_transfer_params") or {}).get("remote_block_ids")]
+    assert len(bidi_prefills) == 3
+    back = results.read(tmp_path / "out" / results.RESULT_FILE)
+    assert back == res
+    page = (tmp_path / "out" / results.PAGE_FILE).read_text()
+    assert comp.verdict.split(" (")[0] in page and "plot-comparison" in page
+
+
+def test_cluster_backend_needs_both_roles():
+    from kvtune.errors import ConfigError
+    with pytest.raises(ConfigError, match="prefill and one decode"):
+        ClusterBackend([], [], confirm=lambda c, t: None)
