@@ -7,7 +7,6 @@ import json
 import pytest
 
 from kvtune import cli
-from kvtune.verify import cli as vcli
 from kvtune.verify.backends import ClusterBackend, LocalPairBackend
 from kvtune.verify.run import assemble
 

@@ -3,12 +3,11 @@ spans on disk) in front of vLLM stand-ins, through the cluster backend (what an 
 restart), then the JSON and the page. Stand-ins have no ``/metrics``: reuse and memory are n/a."""
 from __future__ import annotations
 
-import json
 
 import pytest
 
 from kvtune.local.workload import WorkloadConfig, generate
-from kvtune.router.standin import StandInVllmCluster
+from kvtune.testing.standin import StandInVllmCluster
 from kvtune.verify import results
 from kvtune.verify.backends import ClusterBackend
 from kvtune.verify.configs import load_config

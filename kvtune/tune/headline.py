@@ -62,7 +62,7 @@ class Verification:
     def text(self) -> str:
         out = f"Verification: {self.status}"
         if self.ttft_p50_change_pct is not None:
-            out += f", TTFT p50 {fmt_num(self.ttft_p50_change_pct, 2)}% against the old settings"
+            out += f", TTFT p50 {fmt_num(self.ttft_p50_change_pct, 3)}% against the old settings"
         return out + (f" — {self.detail}" if self.detail else "")
 
 

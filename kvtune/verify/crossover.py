@@ -129,7 +129,9 @@ def recommended_threshold(rec: Mapping[str, Any] | None
     value = item.get("value")
     rng = item.get("range")
     be = (item.get("evidence") or {}).get("break_even_tokens")
-    num = lambda v: float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
+
+    def num(v: object) -> float | None:
+        return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
     r = (num(rng[0]), num(rng[1])) if isinstance(rng, (list, tuple)) and len(rng) == 2 else None
     return num(value), (r if r is not None and None not in r else None), num(be)
 
