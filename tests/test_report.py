@@ -142,7 +142,7 @@ def test_headline_cards_say_value_range_and_why_in_rounded_numbers():
 def test_headline_reads_a_verification_when_one_is_recorded():
     h = headline.build(_rec(verification={"status": "confirmed", "ttft_p50_change_pct": -12.345,
                                           "detail": "kvtune verify, 200 requests"}))
-    assert h.verification.text() == ("Verification: confirmed, TTFT p50 -12% against the old "
+    assert h.verification.text() == ("Verification: confirmed, TTFT p50 -12.3% against the old "
                                      "settings — kvtune verify, 200 requests")
 
 
