@@ -17,7 +17,7 @@ Two layouts, both real vLLM and real NIXL; they differ only in settings vLLM and
 
 Why (measured on this 2-core machine, ``examples/stalls-side-by-side``): pinned, 3 to 14 of 30
 requests per mode took over 1 s (p99 up to 123 s) and the idle pair used 2 cores; quiet, none of 30
-in any mode (p99 under 0.2 s) and the idle pair uses 0.04 cores. The worker process's busy-polling
+in any mode (p99 under 0.2 s) and the idle pair uses 0.04-0.11 cores. The worker process's busy-polling
 and the spinning progress threads starved the engines (``kvtune/local/README.md``).
 """
 from __future__ import annotations
