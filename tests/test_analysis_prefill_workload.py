@@ -109,7 +109,7 @@ def test_workload_hand_computed():
     assert w.prompt_tokens_p50 == pytest.approx(150.0)
     assert w.output_tokens_p50 == pytest.approx(10.0)
     assert w.reuse_outcomes == {"expired": 1, "pull": 1}
-    assert sorted(r[1] for r in w.requests) == [0, 0, 0, 110, 160]
+    assert sorted(r.history_tokens for r in w.requests) == [0, 0, 0, 110, 160]
 
 
 def test_workload_without_router_spans_uses_conversation_ids():
