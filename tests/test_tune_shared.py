@@ -54,6 +54,9 @@ def _drawings(tuning, spans, out: Path) -> dict[str, str]:
     }
     for f in sorted(configs.iterdir()):
         got[f.name] = f.read_text()
+    rec = json.loads(got["recommendation.json"])
+    rec.pop("generated_at")  # the clock, not the tuning (two drawings may straddle a second)
+    got["recommendation.json"] = json.dumps(rec, sort_keys=True)
     return got
 
 
