@@ -18,6 +18,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import (
 )
 
 from kvtune.connectors import compat
+from kvtune.connectors.plain import init_push_connector
 from kvtune.connectors.scheduler import KvtunePullScheduler, KvtunePushScheduler
 from kvtune.connectors.worker import KvtunePullWorker, KvtunePushWorker
 
@@ -58,17 +59,5 @@ class KvtuneNixlPushConnector(NixlPushConnector):
         if not _instrument(vllm_config):
             super().__init__(vllm_config, role, kv_cache_config)
             return
-        # NixlPushConnector.__init__ with kvtune's scheduler/worker classes.
-        NixlBaseConnector.__init__(self, vllm_config, role, kv_cache_config)
-        if vllm_config.parallel_config.decode_context_parallel_size > 1:
-            raise ValueError(
-                "NixlPushConnector does not support decode_context_parallel_size > 1.")
-        self.connector_scheduler = None
-        self.connector_worker = None
-        if role == KVConnectorRole.SCHEDULER:
-            self.connector_scheduler = KvtunePushScheduler(vllm_config, self.engine_id,
-                                                           kv_cache_config)
-        elif role == KVConnectorRole.WORKER:
-            self.connector_worker = KvtunePushWorker(vllm_config, self.engine_id, kv_cache_config)
-        else:
-            raise ValueError(f"Unsupported KVConnectorRole: {role}")
+        init_push_connector(self, vllm_config, role, kv_cache_config,
+                            KvtunePushScheduler, KvtunePushWorker)

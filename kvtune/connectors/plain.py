@@ -90,16 +90,24 @@ class PlainNixlPushConnector(NixlPushConnector):
     """vLLM's push (WRITE) connector; only its NIXL agent's settings come from kvtune."""
 
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any) -> None:
-        NixlBaseConnector.__init__(self, vllm_config, role, kv_cache_config)
-        if vllm_config.parallel_config.decode_context_parallel_size > 1:
-            raise ValueError(
-                "NixlPushConnector does not support decode_context_parallel_size > 1.")
-        self.connector_scheduler = None
-        self.connector_worker = None
-        if role == KVConnectorRole.SCHEDULER:
-            self.connector_scheduler = _PlainPushScheduler(vllm_config, self.engine_id,
-                                                           kv_cache_config)
-        elif role == KVConnectorRole.WORKER:
-            self.connector_worker = _PlainPushWorker(vllm_config, self.engine_id, kv_cache_config)
-        else:
-            raise ValueError(f"Unsupported KVConnectorRole: {role}")
+        init_push_connector(self, vllm_config, role, kv_cache_config,
+                            _PlainPushScheduler, _PlainPushWorker)
+
+
+def init_push_connector(connector: NixlPushConnector, vllm_config: Any, role: KVConnectorRole,
+                        kv_cache_config: Any, scheduler_cls: type, worker_cls: type) -> None:
+    """vLLM's ``NixlPushConnector.__init__`` with other scheduler/worker classes (vLLM's builds
+    its own there, so a subclass cannot swap them after ``super().__init__``)."""
+    NixlBaseConnector.__init__(connector, vllm_config, role, kv_cache_config)
+    if vllm_config.parallel_config.decode_context_parallel_size > 1:
+        raise ValueError(
+            "NixlPushConnector does not support decode_context_parallel_size > 1.")
+    connector.connector_scheduler = None
+    connector.connector_worker = None
+    if role == KVConnectorRole.SCHEDULER:
+        connector.connector_scheduler = scheduler_cls(vllm_config, connector.engine_id,
+                                                      kv_cache_config)
+    elif role == KVConnectorRole.WORKER:
+        connector.connector_worker = worker_cls(vllm_config, connector.engine_id, kv_cache_config)
+    else:
+        raise ValueError(f"Unsupported KVConnectorRole: {role}")
