@@ -7,6 +7,8 @@ than vLLM's default TTL, and the public preset's reuse benchmark), on the public
    TTL 480 s), spans written as OTLP-JSON lines;
 2. recommend from those spans exactly as a user would (``kvtune.traces.load`` ->
    ``kvtune.recommend.recommend``);
+   With the fabric probe's sweep of the preset's link beside them, as ``kvtune tune`` has it: traffic
+   of one prompt size (the public preset's) cannot support a floor fit on its own;
 3. sweep threshold x TTL x mode on a fresh sample of the same traffic (another seed) for the best
    TTFT p50, and play the recommended configuration and vLLM's defaults on that same sample.
 
@@ -30,6 +32,7 @@ from tqdm import tqdm
 from kvtune.recommend import NEVER, recommend
 from kvtune.sim import Dist, SimConfig, WorkloadSpec, presets, simulate
 from kvtune.spans import Mode
+from kvtune.testing import synthetic
 from kvtune.traces import load
 
 VLLM_DEFAULT_THRESHOLD_TOKENS = 64
@@ -94,8 +97,11 @@ def profiles(scale: float) -> list[Profile]:
                     think_time_s=Dist("uniform", (200.0, 1500.0)))),
     ]
     pub = presets.reuse_scenario(24000, reuse=True, duration_s=presets.REUSE_DURATION_S * scale)
-    out.append(Profile("public-reuse-24k", "the public preset's reuse benchmark (2 users, 24k)",
-                       pub.workload))
+    first = pub.workload.prompt_tokens.params[0]
+    # one prompt length cannot support kvtune's prefill-cost fit (it says so and stops): spread it
+    wl = replace(pub.workload, prompt_tokens=Dist("uniform", (0.8 * first, 1.2 * first)))
+    out.append(Profile("public-reuse-24k", "the public preset's reuse benchmark (2 users, ~24k "
+                       "contexts; first prompts spread ±20% so the prefill cost can be fitted)", wl))
     return out
 
 
@@ -140,17 +146,26 @@ class Row:
         return self.regret <= WITHIN_SHARE and self.rec_p50_ms <= self.default_p50_ms * (1 + 1e-9)
 
 
+def probe_sweep(base: SimConfig, path: Path) -> None:
+    """The fabric probe's sweep of the preset's link (its floor, bandwidth and per-descriptor cost,
+    with the synthetic probe's default noise), written as OTLP-JSON lines to ``path``."""
+    t = base.transfer
+    truth = synthetic.FabricTruth(floor_ms=t.floor_ms, bandwidth_gbps=t.bandwidth_gbps,
+                                  per_descriptor_us=t.per_descriptor_us)
+    synthetic.write_otlp_json(synthetic.probe_spans(truth, seed=TRACE_SEED), path)
+
+
 def run_profile(p: Profile, bar: tqdm, hbm_budget_gb: float) -> Row:
     base = presets.public_h200_qwen3_32b()
     # 1. the user's trace, under vLLM's defaults
     traced = configured(base, p.workload, VLLM_DEFAULT_MODE.value, VLLM_DEFAULT_THRESHOLD_TOKENS,
                         VLLM_DEFAULT_TTL_S, TRACE_SEED)
     with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "spans.jsonl"
-        simulate(traced).write_spans(path)
+        simulate(traced).write_spans(Path(tmp) / "serving.jsonl")
+        probe_sweep(base, Path(tmp) / "probe.jsonl")
         bar.update(1)
         # 2. recommend from the spans, as a user would
-        tu = recommend(load(str(path)), hbm_budget_gb=hbm_budget_gb)
+        tu = recommend(load(tmp), hbm_budget_gb=hbm_budget_gb)
     bar.update(1)
     rec_mode, rec_thr, rec_ttl = str(tu.mode.value), tu.threshold.value, float(tu.ttl.value)
     # 3. sweep on a fresh sample of the same traffic

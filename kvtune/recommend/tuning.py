@@ -1,6 +1,7 @@
 """``recommend(spans)``: the three settings from one trace, with evidence and findings."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from typing import Any
@@ -98,6 +99,49 @@ def _fit_with_probe_fallback(tr: pd.DataFrame, *, n_boot: int, seed: int, fabric
         return fit, "probe transfers (fallback)", [finding]
 
 
+def split_with_probe(fit: FloorFit, tr: pd.DataFrame, *, bytes_per_token: float,
+                     descriptors_per_token: float, n_boot: int, seed: int
+                     ) -> tuple[FloorFit, list[Finding]]:
+    """The serving fit with its per-token slope split into link time and per-descriptor work, by the
+    fabric probe, for the simulator's mode comparison.
+
+    vLLM moves one descriptor per layer and block, so in serving transfers descriptors grow with
+    bytes and the fit cannot tell the two apart (``per_descriptor_us`` is None): its bandwidth holds
+    both. The simulator queues transfers on the link by bytes / bandwidth, so an understated
+    bandwidth overstates queueing and push's overlap. The probe varies descriptors at fixed bytes
+    and does tell them apart: the link keeps the probe's bandwidth, and what the serving slope has
+    beyond it is charged per descriptor. Totals (``predict_ms``) stay the serving fit's. Returns the
+    serving fit unchanged when there is no probe, the probe cannot separate them either, or its
+    wire time alone exceeds the serving slope."""
+    if fit.per_descriptor_us is not None or descriptors_per_token <= 0 or bytes_per_token <= 0:
+        return fit, []
+    probe = tr[(tr["mode"].astype("object") == "probe").to_numpy(dtype=bool)]
+    if probe.empty:
+        return fit, []
+    try:
+        pf = fit_floor(probe, n_boot=min(n_boot, 50), seed=seed,
+                       op="READ" if "READ" in set(probe["op"].dropna().astype(str)) else None)
+    except AnalysisError:
+        return fit, []
+    if pf.per_descriptor_us is None or not pf.bandwidth_gbps > 0:
+        return fit, []
+    slope_us = bytes_per_token * 8.0 / (fit.bandwidth_gbps * 1e9) * 1e6
+    wire_us = bytes_per_token * 8.0 / (pf.bandwidth_gbps * 1e9) * 1e6
+    if wire_us >= slope_us:
+        return fit, []
+    per_desc = (slope_us - wire_us) / descriptors_per_token
+    split = dataclasses.replace(fit, bandwidth_gbps=pf.bandwidth_gbps, per_descriptor_us=per_desc,
+                                bandwidth_ci_gbps=pf.bandwidth_ci_gbps, per_descriptor_ci_us=None)
+    return split, [Finding(
+        "slope_split_by_probe", "info",
+        f"the serving transfers' per-token cost ({slope_us:.3f} us/token) is split for the "
+        f"simulator into link time at the fabric probe's {pf.bandwidth_gbps:.3g} Gbit/s "
+        f"({wire_us:.3f} us/token) and {per_desc:.3f} us per descriptor (the serving fit cannot "
+        f"separate them: descriptors grow with bytes)",
+        {"slope_us_per_token": slope_us, "probe_bandwidth_gbps": pf.bandwidth_gbps,
+         "wire_us_per_token": wire_us, "per_descriptor_us": per_desc})]
+
+
 def recommend(spans: pd.DataFrame, *, geometry: Any = None,
               hbm_budget_gb: float = DEFAULT_HBM_BUDGET_GB, early_decode_ok: bool = True,
               fabric: str | None = None, prefill_instances: int = 1, n_boot: int = 200,
@@ -149,10 +193,16 @@ def recommend(spans: pd.DataFrame, *, geometry: Any = None,
     ttl, f = recommend_ttl(wl, bytes_per_token=bpt, hbm_budget_gb=hbm_budget_gb,
                            threshold_tokens=thr_tokens, seed=seed)
     findings += f
-    mode, f = recommend_mode(wl, fit, pc, bytes_per_token=bpt, descriptors_per_token=dpt,
+    mode_fit, f = split_with_probe(fit, tr, bytes_per_token=bpt, descriptors_per_token=dpt,
+                                   n_boot=n_boot, seed=seed)
+    findings += f
+    mode, f = recommend_mode(wl, mode_fit, pc, bytes_per_token=bpt, descriptors_per_token=dpt,
                              threshold=thr.value, ttl_s=float(ttl.value),
                              early_decode_ok=early_decode_ok, prefill_instances=prefill_instances,
-                             use_simulator=use_simulator, fit_source=f"floor fit ({fit_source})")
+                             use_simulator=use_simulator,
+                             fit_source=f"floor fit ({fit_source}"
+                             + ("; link bandwidth from the fabric probe)" if mode_fit is not fit
+                                else ")"))
     findings += f
     findings += readiness(tr, spans, fit=fit, workload=wl, fabric=fabric)
     # What each Tempo source read (range, traces, spans) and whether its search was cut short.
