@@ -7,7 +7,7 @@ serving transfers' size span (largest / smallest bytes: the floor fit needs >= 1
 the threshold ranges overlap, whether the mode is the same, and the spread of each value. The load
 average before each run is printed with it (one heavy job at a time).
 
-    .venv/bin/python bench/tune_spread.py --runs 3 --out out/tune-spread [--fabric shaped:200mbit]
+    .venv/bin/python bench/tune_spread.py --runs 3 --out out/tune-spread [--fabric auto]
 """
 from __future__ import annotations
 
@@ -76,18 +76,21 @@ def summarize(rows: list[dict]) -> str:
             f"{r['requests_over_1s']}/{r['requests']} | {r['request_p99_ms']:.0f} | "
             f"{span} | {', '.join(r['findings'])} |")
     if len(ok) >= 2:
-        lows = [r["kv_recompute_threshold"]["range"][0] for r in ok]
-        highs = [r["kv_recompute_threshold"]["range"][1] for r in ok]
+        def tokens(v: object) -> float:  # 'never': no history is worth pulling back
+            return float("inf") if v == "never" else float(v)  # type: ignore[arg-type]
+        lows = [tokens(r["kv_recompute_threshold"]["range"][0]) for r in ok]
+        highs = [tokens(r["kv_recompute_threshold"]["range"][1]) for r in ok]
         overlap = max(lows) <= min(highs)
         modes = {r["mode"]["value"] for r in ok}
-        th = np.array([r["kv_recompute_threshold"]["value"] for r in ok], dtype=float)
+        th = np.array([tokens(r["kv_recompute_threshold"]["value"]) for r in ok], dtype=float)
         ttl = np.array([r["decoder_kv_blocks_ttl"]["value"] for r in ok], dtype=float)
         lines += ["",
                   f"threshold ranges overlap: {overlap} (common part [{max(lows)}, {min(highs)}])",
                   f"mode the same in every run: {len(modes) == 1} ({sorted(modes)})",
                   f"threshold spread: {th.min():g}-{th.max():g} tokens (max/min "
                   f"{th.max() / max(th.min(), 1e-9):.2f}); TTL spread: {ttl.min():g}-{ttl.max():g} s",
-                  f"fit_from_probe in any run: {any('fit_from_probe' in r['findings'] for r in ok)}"]
+                  f"fit_from_probe in any run: {any('fit_from_probe' in r['findings'] for r in ok)}",
+                  f"fit_low_r2 in: {sum('fit_low_r2' in r['findings'] for r in ok)} of {len(ok)} runs"]
     return "\n".join(lines)
 
 
@@ -95,7 +98,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--out", default="out/tune-spread")
-    ap.add_argument("--fabric", default="loopback")
+    ap.add_argument("--fabric", default="auto", help="as `make tune` (default: auto)")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

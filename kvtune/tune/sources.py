@@ -198,6 +198,35 @@ def _pair(out: Path, *, seed: int, first_prompt_tokens: Sequence[int],
                                 budget_s=budget_s)
 
 
+def workload_plans(n_conversations: int = len(FIRST_PROMPT_TOKENS) * CONVERSATIONS_PER_SIZE, *,
+                   seed: int = 0) -> list[Any]:
+    """The embedded default's traffic as replayable plans (``kvtune.local.workload``), for
+    ``kvtune verify --workload tune``: conversations cycling through :data:`FIRST_PROMPT_TOKENS`,
+    :data:`TURNS` turns of :data:`NEW_TOKENS_PER_TURN` new tokens and :data:`MAX_TOKENS` output,
+    :data:`THINK_TIME_S` gaps; all start at once and :data:`PARALLEL_CONVERSATIONS` run at a
+    time (pass it as ``max_concurrency``), as :func:`run_workload` drives them."""
+    from kvtune.errors import ConfigError
+    from kvtune.local.workload import ConversationPlan, TurnPlan
+
+    if n_conversations < 1:
+        raise ConfigError(f"workload_plans: n_conversations expected >= 1, got {n_conversations}")
+    rng = random.Random(f"tune-workload-{seed}")
+
+    def tokens(n: int) -> tuple[int, ...]:
+        return tuple(rng.randrange(50, 1950) for _ in range(n))
+
+    plans = []
+    for i in range(n_conversations):
+        first = FIRST_PROMPT_TOKENS[i % len(FIRST_PROMPT_TOKENS)]
+        turns = tuple(TurnPlan(turn=k, user_tokens=tokens(first if k == 1 else NEW_TOKENS_PER_TURN),
+                               max_tokens=MAX_TOKENS,
+                               think_time_s=0.0 if k == 1 else rng.uniform(*THINK_TIME_S))
+                      for k in range(1, TURNS + 1))
+        plans.append(ConversationPlan(conversation_id=f"tune-{seed}-{first}-{i:03d}", start_s=0.0,
+                                      system_tokens=(), turns=turns))
+    return plans
+
+
 def run_workload(url: str, *, seed: int = 0, first_prompt_tokens: Sequence[int] = FIRST_PROMPT_TOKENS,
                  conversations_per_size: int = CONVERSATIONS_PER_SIZE, turns: int = TURNS,
                  budget_s: float = WORKLOAD_BUDGET_S, parallel: int = PARALLEL_CONVERSATIONS,

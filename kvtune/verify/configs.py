@@ -204,3 +204,27 @@ def _float_or_none(v: Any, where: Any, field: str) -> float | None:
         raise ConfigError(f"verify config {where}: field {field!r}: expected a number of "
                           f"seconds >= 0, got {v!r}")
     return float(v)
+
+
+def per_mode(recommendation: dict[str, Any], have: list[VerifyConfig]) -> list[VerifyConfig]:
+    """One configuration per mode the recommendation priced (pull, push, bidirectional at the
+    recommended threshold and TTL, as its predictions assume), leaving out the modes ``have``
+    already covers with those settings (e.g. ``defaults`` is pull)."""
+    from kvtune.export.files import NEVER_THRESHOLD_TOKENS
+
+    recs = recommendation.get("recommendations") if isinstance(recommendation, dict) else None
+    if not isinstance(recs, dict):
+        raise ConfigError("verify --modes: the recommendation has no 'recommendations' object")
+    thr = (recs.get("kv_recompute_threshold") or {}).get("value")
+    ttl = (recs.get("decoder_kv_blocks_ttl") or {}).get("value")
+    t = NEVER_THRESHOLD_TOKENS if thr == "never" else _int_or_none(
+        thr, "recommendation", "recommendations.kv_recompute_threshold.value")
+    ttl_f = _float_or_none(ttl, "recommendation", "recommendations.decoder_kv_blocks_ttl.value")
+    wanted = [VerifyConfig(m, m, t if m == "bidirectional" else None,
+                           (ttl_f or None) if m == "bidirectional" else None,
+                           source="kvtune verify --modes (recommended threshold and TTL)")
+              for m in MODES]
+    covered = {(c.mode, c.recompute_threshold_tokens, c.ttl_s) for c in have}
+    names = {c.name for c in have}
+    return [w for w in wanted if (w.mode, w.recompute_threshold_tokens, w.ttl_s) not in covered
+            and w.name not in names]

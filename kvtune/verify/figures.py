@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvtune.verify.predictions import PredictionCheck
 from kvtune.verify.results import CrossoverResult, VerifyResult
 
 COLORS = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b")
@@ -100,4 +101,35 @@ def crossover(cx: CrossoverResult) -> Any:
     fig.update_layout(title=f"Measured recompute/pull crossover{side}", template="plotly_white",
                       xaxis=dict(title="history pulled back or recomputed (tokens)", type="log"),
                       yaxis=dict(title="turn-2 TTFT (ms)"), height=460)
+    return fig
+
+
+def predictions(check: PredictionCheck) -> Any:
+    """Per mode: kvtune's predicted TTFT p50 (open marker, with the tolerance band) against the
+    measured p50 and its 95% interval."""
+    go = _go()
+    fig = go.Figure()
+    tol = check.p50_tolerance_share
+    modes = [m for m in check.modes]
+    x = [f"{m.mode}<br>({m.config or 'not measured'})" for m in modes]
+    fig.add_trace(go.Scatter(
+        x=x, y=[m.predicted_p50_ms for m in modes], mode="markers", name="predicted p50",
+        marker=dict(symbol="circle-open", size=14, color="#444"),
+        error_y=dict(type="data", array=[tol * m.predicted_p50_ms for m in modes],
+                     color="#aaa", thickness=6, width=0),
+        hovertemplate="predicted %{y:.1f} ms<extra></extra>"))
+    got = [m for m in modes if m.measured_p50_ms is not None]
+    fig.add_trace(go.Scatter(
+        x=[f"{m.mode}<br>({m.config or 'not measured'})" for m in got],
+        y=[m.measured_p50_ms for m in got], mode="markers", name="measured p50 [95%]",
+        marker=dict(symbol="diamond", size=11,
+                    color=["#2ca02c" if m.held else "#d62728" for m in got]),
+        error_y=dict(type="data", symmetric=False,
+                     array=[(m.measured_p50_ci_ms or (0, 0))[1] - m.measured_p50_ms for m in got],
+                     arrayminus=[m.measured_p50_ms - (m.measured_p50_ci_ms or (0, 0))[0]
+                                 for m in got]),
+        hovertemplate="measured %{y:.1f} ms<extra></extra>"))
+    fig.update_layout(title=f"TTFT p50 per mode: kvtune's prediction (grey band: ±{tol:.0%}) "
+                            f"against the measurement", yaxis_title="TTFT p50 (ms)",
+                      height=420, template="plotly_white")
     return fig

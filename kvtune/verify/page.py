@@ -57,6 +57,12 @@ def render(result: VerifyResult) -> str:
         parts.append(f'<p id="crossover-text">Measured crossover: {e(where)} ({e(est.side)}); '
                      f'{inside} the recommended range {e(str(cx.recommended_range_tokens))}.</p>')
         figs.append(("crossover", figures.crossover(cx)))
+    if result.predictions is not None:
+        items = "".join(f"<li>{e(line)}</li>" for line in result.predictions.lines())
+        parts.append(f'<section id="predictions"><h2>Predictions against measurements</h2>'
+                     f'<ul>{items}</ul></section>')
+        if result.predictions.modes:
+            figs.append(("predictions", figures.predictions(result.predictions)))
     for name, fig in figs:
         parts.append(f'<div class="figure" id="fig-{name}">' + pio.to_html(
             fig, include_plotlyjs=False, full_html=False, div_id=f"plot-{name}",

@@ -11,6 +11,7 @@ from typing import Any, Final
 
 from kvtune.errors import ConfigError
 from kvtune.verify.configs import VerifyConfig
+from kvtune.verify.predictions import ModePrediction, PredictionCheck, ReusePrediction
 from kvtune.verify.stats import CrossoverEstimate, PairedChange, QuantileEstimate
 
 RESULT_FORMAT: Final = "kvtune.verify/1"
@@ -112,6 +113,9 @@ class VerifyResult:
     configs: tuple[ConfigResult, ...]
     comparisons: tuple[Comparison, ...]
     crossover: CrossoverResult | None = None
+    predictions: PredictionCheck | None = None
+    """The recommendation's predictions against these measurements (``kvtune.verify.predictions``);
+    None without a recommendation."""
 
 
 def to_json(result: VerifyResult) -> dict[str, Any]:
@@ -204,5 +208,20 @@ def result_from_json(data: Any, *, source: str = "verify result") -> VerifyResul
             "points": tuple(_build(CrossoverPoint, p, f"{w}.points")
                             for p in cd.get("points") or []),
             "recommended_range_tokens": tuple(rng) if isinstance(rng, list) else rng}, w)
+    preds = None
+    if data.get("predictions") is not None:
+        pd_, w = data["predictions"], f"{source}: predictions"
+        if not isinstance(pd_, dict):
+            raise ConfigError(f"{w}: expected an object")
+        modes = tuple(
+            _build(ModePrediction, {**m, "measured_p50_ci_ms": tuple(m["measured_p50_ci_ms"])
+                                    if isinstance(m, dict) and isinstance(
+                                        m.get("measured_p50_ci_ms"), list)
+                                    else (m.get("measured_p50_ci_ms") if isinstance(m, dict)
+                                          else None)}, f"{w}.modes")
+            for m in pd_.get("modes") or [])
+        reuse = (_build(ReusePrediction, pd_["reuse"], f"{w}.reuse")
+                 if pd_.get("reuse") is not None else None)
+        preds = _build(PredictionCheck, {**pd_, "modes": modes, "reuse": reuse}, w)
     return _build(VerifyResult, {**data, "configs": tuple(configs), "comparisons": tuple(comps),
-                                 "crossover": cross}, source)
+                                 "crossover": cross, "predictions": preds}, source)

@@ -1,0 +1,190 @@
+"""Did kvtune's predictions come true? The recommendation's expected TTFT p50 per mode and its
+predicted share of reuse captured, set against what ``kvtune verify`` measured.
+
+- **Per mode**: each measured configuration whose mode the recommendation priced (pull, push, or
+  bidirectional at the recommended threshold and TTL: the settings the prediction assumed) gives
+  measured p50 / predicted p50 - 1; within :data:`P50_TOLERANCE_SHARE` counts as held.
+- **Ranking**: the mode kvtune ranks first against the measured mode with the lowest p50 (one
+  configuration per mode, the first measured).
+- **Reuse captured**: for the bidirectional configuration at the recommended settings, the tokens
+  the prefill loaded from the decode over the history tokens that were reusable (turns after the
+  first whose history reaches the threshold), counted in whole KV blocks (vLLM moves only full
+  blocks), against ``ttl.evidence.captured_share``; within :data:`REUSE_TOLERANCE_POINTS`.
+
+The predictions describe the traffic kvtune was tuned on: they are comparable when the replayed
+workload has the same shape (``kvtune verify --workload tune`` replays the embedded default's).
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Final
+
+if TYPE_CHECKING:  # results.py holds a PredictionCheck: no run-time import back
+    from kvtune.local.workload import ConversationPlan
+    from kvtune.verify.results import ConfigResult
+
+P50_TOLERANCE_SHARE: Final = 0.25
+"""A mode's measured p50 within 25% of its prediction counts as held."""
+REUSE_TOLERANCE_POINTS: Final = 10.0
+"""Measured share of reuse captured within 10 percentage points of the prediction."""
+MODES: Final = ("pull", "push", "bidirectional")
+
+
+@dataclass(frozen=True)
+class ModePrediction:
+    config: str
+    mode: str
+    model: str
+    """What predicted it: ``kvtune.sim`` or ``analytic`` (the recommendation's choice model)."""
+    predicted_p50_ms: float
+    measured_p50_ms: float | None
+    measured_p50_ci_ms: tuple[float, float] | None
+    error_share: float | None
+    """measured / predicted - 1 (None: nothing measured)."""
+    held: bool | None
+
+
+@dataclass(frozen=True)
+class ReusePrediction:
+    config: str
+    threshold_tokens: int | None
+    ttl_s: float | None
+    predicted_share: float
+    reusable_history_tokens: int
+    """History of later turns at or over the threshold, in whole blocks of ``block_tokens``."""
+    reused_tokens: int | None
+    measured_share: float | None
+    error_points: float | None
+    held: bool | None
+    block_tokens: int
+
+
+@dataclass(frozen=True)
+class PredictionCheck:
+    p50_tolerance_share: float
+    reuse_tolerance_points: float
+    modes: tuple[ModePrediction, ...]
+    ranked_first: str | None
+    """The mode kvtune recommends."""
+    measured_best: str | None
+    """Among the measured modes, the one with the lowest p50."""
+    ranking_held: bool | None
+    reuse: ReusePrediction | None
+
+    def lines(self) -> list[str]:
+        """Plain-text summary (CLI, page)."""
+        out = []
+        for m in self.modes:
+            meas = "not measured" if m.measured_p50_ms is None else (
+                f"measured {m.measured_p50_ms:.1f} ms ({m.error_share:+.0%}: "
+                f"{'within' if m.held else 'outside'} {self.p50_tolerance_share:.0%})")
+            out.append(f"{m.mode} ({m.config}): predicted p50 {m.predicted_p50_ms:.1f} ms "
+                       f"[{m.model}], {meas}")
+        if self.ranked_first is not None:
+            out.append(f"kvtune ranks {self.ranked_first} first; lowest measured p50: "
+                       f"{self.measured_best or 'n/a'}"
+                       + ("" if self.ranking_held is None else
+                          f" ({'holds' if self.ranking_held else 'does not hold'})"))
+        r = self.reuse
+        if r is not None:
+            meas = "not measured" if r.measured_share is None else (
+                f"measured {r.measured_share:.0%} ({r.reused_tokens} of "
+                f"{r.reusable_history_tokens} reusable history tokens; {r.error_points:+.0f} "
+                f"points: {'within' if r.held else 'outside'} {self.reuse_tolerance_points:.0f})")
+            out.append(f"reuse captured at TTL {r.ttl_s:g} s ({r.config}): predicted "
+                       f"{r.predicted_share:.0%}, {meas}")
+        return out
+
+
+def _get(d: Any, *path: str) -> Any:
+    for k in path:
+        d = d.get(k) if isinstance(d, Mapping) else None
+    return d
+
+
+def _rec_item(rec: Mapping[str, Any], key: str, short: str) -> Mapping[str, Any]:
+    item = _get(rec, "recommendations", key)
+    if not isinstance(item, Mapping):
+        item = rec.get(short)
+    return item if isinstance(item, Mapping) else {}
+
+
+def _matches_recommended(cfg: ConfigResult, threshold: Any, ttl: Any) -> bool:
+    c = cfg.config
+    if c.mode != "bidirectional":
+        return True
+    return (isinstance(threshold, (int, float)) and c.recompute_threshold_tokens == int(threshold)
+            and isinstance(ttl, (int, float)) and c.ttl_s is not None
+            and abs(c.ttl_s - float(ttl)) < 1e-9)
+
+
+def reusable_history_tokens(cfg: ConfigResult, plans: Sequence[ConversationPlan], *,
+                            threshold_tokens: float, block_tokens: int) -> int:
+    """History tokens (prompt minus the turn's new user tokens) of the later turns that succeeded
+    and reach ``threshold_tokens``, each rounded down to whole blocks."""
+    new = {f"{p.conversation_id}#{t.turn}": len(t.user_tokens) for p in plans for t in p.turns}
+    total = 0
+    for r in cfg.requests:
+        if r.turn <= 1 or not r.ok or r.key not in new:
+            continue
+        history = r.prompt_tokens - new[r.key]
+        if history >= threshold_tokens:
+            total += history // block_tokens * block_tokens
+    return total
+
+
+def check(recommendation: Mapping[str, Any], measured: Sequence[ConfigResult],
+          plans: Sequence[ConversationPlan], *, block_tokens: int = 1) -> PredictionCheck | None:
+    """The check of ``recommendation.json``'s predictions against ``measured`` (None when the
+    recommendation holds no per-mode prediction)."""
+    mode_item = _rec_item(recommendation, "mode", "mode")
+    ev = mode_item.get("evidence") if isinstance(mode_item.get("evidence"), Mapping) else {}
+    expected = ev.get("expected_ttft_ms") if isinstance(ev.get("expected_ttft_ms"), Mapping) else {}
+    model = str(ev.get("model") or "kvtune.sim")
+    thr = _rec_item(recommendation, "kv_recompute_threshold", "threshold").get("value")
+    ttl_item = _rec_item(recommendation, "decoder_kv_blocks_ttl", "ttl")
+    ttl = ttl_item.get("value")
+    if not expected:
+        return None
+    modes: list[ModePrediction] = []
+    best: dict[str, float] = {}
+    for mode in MODES:
+        pred = _get(expected, mode, "p50")
+        if not isinstance(pred, (int, float)):
+            continue
+        cfg = next((c for c in measured if c.config.mode == mode
+                    and _matches_recommended(c, thr, ttl)), None)
+        p50 = cfg.ttft_p50 if cfg is not None else None
+        value = p50.value_ms if p50 is not None else None
+        err = value / float(pred) - 1.0 if value is not None and pred > 0 else None
+        modes.append(ModePrediction(
+            config=cfg.config.name if cfg is not None else "", mode=mode, model=model,
+            predicted_p50_ms=float(pred), measured_p50_ms=value,
+            measured_p50_ci_ms=(p50.low_ms, p50.high_ms) if p50 is not None else None,
+            error_share=err, held=None if err is None else abs(err) <= P50_TOLERANCE_SHARE))
+        if value is not None:
+            best[mode] = value
+    first = mode_item.get("value")
+    measured_best = min(best, key=best.__getitem__) if best else None
+    ranking = (None if not isinstance(first, str) or len(best) < 2 or first not in best
+               else measured_best == first)
+    reuse = None
+    share = _get(ttl_item, "evidence", "captured_share")
+    bidi = next((c for c in measured if c.config.mode == "bidirectional"
+                 and _matches_recommended(c, thr, ttl)), None)
+    if isinstance(share, (int, float)) and bidi is not None and isinstance(thr, (int, float)):
+        denom = reusable_history_tokens(bidi, plans, threshold_tokens=float(thr),
+                                        block_tokens=max(1, block_tokens))
+        got = (min(1.0, bidi.reused_tokens / denom)
+               if bidi.reused_tokens is not None and denom > 0 else None)
+        pts = 100.0 * (got - float(share)) if got is not None else None
+        reuse = ReusePrediction(
+            config=bidi.config.name, threshold_tokens=bidi.config.recompute_threshold_tokens,
+            ttl_s=bidi.config.ttl_s, predicted_share=float(share),
+            reusable_history_tokens=denom, reused_tokens=bidi.reused_tokens, measured_share=got,
+            error_points=pts, held=None if pts is None else abs(pts) <= REUSE_TOLERANCE_POINTS,
+            block_tokens=max(1, block_tokens))
+    return PredictionCheck(P50_TOLERANCE_SHARE, REUSE_TOLERANCE_POINTS, tuple(modes),
+                           first if isinstance(first, str) else None, measured_best, ranking,
+                           reuse)
