@@ -12,7 +12,7 @@ setup-test:
 	bash scripts/setup.sh --test
 
 tune: setup
-	.venv/bin/kvtune tune --out $(OUT) --fabric auto
+	.venv/bin/kvtune tune --out $(OUT) --fabric auto --verify
 
 # The linter first (rules in pyproject.toml's [tool.ruff]: a lint error fails the suite), then the
 # whole suite on .venv's vLLM (0.32.0 on CPU machines), then the connector suite on 0.33.0.

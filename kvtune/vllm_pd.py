@@ -224,18 +224,37 @@ ROUTER_MARGIN_S: Final = 30.0
 """The router's stored decode params expire this long before the decode frees the blocks: covers
 the router -> prefill -> decode handshake time and clock differences."""
 ROUTER_MARGIN_SHARE: Final = 0.25
-"""...but at most this share of the decode's TTL, so a short TTL keeps a usable router TTL."""
+"""...but at most this share of the decode's TTL, so a long TTL keeps most of its window..."""
+READBACK_SAFETY_MARGIN_S: Final = 5.0
+"""vLLM's NIXL pull worker declines a turn-2 readback whose decode blocks expire within this many
+seconds (``_KV_BLOCKS_EXPIRY_SAFETY_MARGIN`` in ``nixl/pull_worker.py``, vLLM 0.32 and 0.33); the
+request then fails under ``kv_load_failure_policy: fail``. So a decode TTL of 5 s or less never
+serves a reuse, and the router must stop offering one this long before the decode's TTL ends."""
+READBACK_SLACK_S: Final = 1.0
+"""The router's slack on top of :data:`READBACK_SAFETY_MARGIN_S`: the time from its decision to the
+prefill's read (queueing, the prefill's scheduling step)."""
+MIN_ROUTER_MARGIN_S: Final = READBACK_SAFETY_MARGIN_S + READBACK_SLACK_S
+"""...and never less than this (a TTL of at most 4 x this keeps TTL - this as its window)."""
 
 
 def router_margin_s(decoder_ttl_s: float) -> float:
-    """The router's margin below a decode TTL of ``decoder_ttl_s``: ``min(30 s, TTL / 4)``."""
-    return min(ROUTER_MARGIN_S, ROUTER_MARGIN_SHARE * decoder_ttl_s)
+    """The router's margin below a decode TTL of ``decoder_ttl_s``: ``min(30 s, TTL / 4)``, but at
+    least :data:`MIN_ROUTER_MARGIN_S` (vLLM's readback margin plus slack), and at most the TTL."""
+    margin = max(MIN_ROUTER_MARGIN_S, min(ROUTER_MARGIN_S, ROUTER_MARGIN_SHARE * decoder_ttl_s))
+    return min(margin, max(0.0, decoder_ttl_s))
+
+
+def router_ttl_s(decoder_ttl_s: float) -> float:
+    """How long after a turn the router still offers its retained history back: the decode TTL
+    minus :func:`router_margin_s` (0: never)."""
+    return max(0.0, decoder_ttl_s - router_margin_s(decoder_ttl_s))
 
 
 def decoder_ttl_for_router_ttl_s(router_ttl_s: float) -> float:
-    """The decode TTL whose router TTL (TTL minus :func:`router_margin_s`) is ``router_ttl_s``."""
-    return router_ttl_s + min(ROUTER_MARGIN_S,
-                              ROUTER_MARGIN_SHARE / (1 - ROUTER_MARGIN_SHARE) * router_ttl_s)
+    """The decode TTL whose router TTL (TTL minus :func:`router_margin_s`) is ``router_ttl_s``
+    (> 0): the inverse of :func:`router_ttl_s`, piece by piece of the margin's formula."""
+    share = ROUTER_MARGIN_SHARE / (1 - ROUTER_MARGIN_SHARE)
+    return router_ttl_s + max(MIN_ROUTER_MARGIN_S, min(ROUTER_MARGIN_S, share * router_ttl_s))
 
 
 def progress_delay_applies(mode: spans.Mode | str) -> bool:

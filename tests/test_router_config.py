@@ -136,5 +136,7 @@ def test_default_margin_keeps_short_ttls_usable():
     base = {"prefill": "http://127.0.0.1:1", "decode": "http://127.0.0.1:2"}
     assert config_from_dict({**base, "decoder_ttl_s": 480}).margin_s == 30
     short = config_from_dict({**base, "decoder_ttl_s": 20})
-    assert short.margin_s == 5 and short.params_ttl_s == 15
+    # a quarter of 20 s would be 5 s, under vLLM's readback margin (5 s) + 1 s of slack
+    assert short.margin_s == 6 and short.params_ttl_s == 14
+    assert config_from_dict({**base, "decoder_ttl_s": 5}).params_ttl_s == 0  # never offered
     assert config_from_dict({**base, "decoder_ttl_s": 20, "margin_s": 0}).params_ttl_s == 20

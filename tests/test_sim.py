@@ -406,3 +406,19 @@ def test_retention_released_when_recomputed_unless_the_decode_keeps_it_as_prefix
     assert keep.retentions[0].outcome == S.RetentionOutcome.REUSED.value
     turn2 = keep.requests.set_index("turn").loc[2]
     assert turn2["forward_tokens"] == turn2["prompt_tokens"] - 3050  # only what the decode lacks
+
+
+def test_reuse_only_within_the_routers_ttl():
+    """The router offers retained history back only until the decode TTL minus its margin (vLLM's
+    5 s readback margin + 1 s): 2-4 s gaps are reused at a 30 s TTL, never at 5 s or 8 s."""
+    from kvtune.sim import presets, simulate
+    from kvtune.spans import ReuseOutcome
+
+    def pulled(ttl_s: float) -> int:
+        cfg = presets.configure(mode="bidirectional", qps=0.5, duration_s=120.0, prompt_tokens=4000,
+                                turns=2, new_tokens=50, think_time_s="uniform:2,4", ttl_s=ttl_s,
+                                threshold_tokens=16, seed=3)
+        return sum(r.outcome == ReuseOutcome.PULL.value for r in simulate(cfg).timeline.requests)
+
+    assert pulled(30.0) > 10
+    assert pulled(8.0) == 0 and pulled(5.0) == 0

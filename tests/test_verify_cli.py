@@ -80,13 +80,34 @@ def test_bad_arguments_exit_2_naming_the_input(calls, argv, match, capsys, tmp_p
     assert calls == []
 
 
-def test_fabric_goes_to_the_pair_when_it_takes_one(calls, tmp_path, capsys):
-    import inspect
-
-    from kvtune.local.pair import LocalPair
+def test_fabric_shapes_each_pair_or_stays_loopback(calls, tmp_path, capsys):
     rc = cli.main(["verify", "--config", "defaults", "--fabric", "shaped:1gbit",
                    "--out", str(tmp_path)])
-    if "fabric" in inspect.signature(LocalPair).parameters:
-        assert rc == 0 and calls[0][1].pair_kwargs["fabric"] == "shaped:1gbit"
-    else:
-        assert rc == 2 and "no 'fabric' option" in capsys.readouterr().err and calls == []
+    assert rc == 0 and calls[0][1].shaped_rate_mbit == 1000.0
+    assert "veth-tbf-1000mbit" in calls[0][1].description
+    assert "fabric" not in calls[0][1].pair_kwargs  # the link is built per deploy
+    rc = cli.main(["verify", "--config", "defaults", "--fabric", "loopback", "--out",
+                   str(tmp_path)])
+    assert rc == 0 and calls[1][1].shaped_rate_mbit is None
+    rc = cli.main(["verify", "--config", "defaults", "--fabric", "shaped:fast", "--out",
+                   str(tmp_path)])
+    assert rc == 2 and "RATE expected a number" in capsys.readouterr().err and len(calls) == 2
+
+
+def test_tune_workload_replays_tunes_traffic_two_at_a_time(calls, tmp_path):
+    from kvtune.tune import sources
+    rc = cli.main(["verify", "--config", "defaults", "--workload", "tune", "--conversations", "7",
+                   "--out", str(tmp_path), "--no-progress"])
+    assert rc == 0
+    ((configs, backend, plans, out, kw),) = calls
+    assert kw["max_concurrency"] == sources.PARALLEL_CONVERSATIONS
+    assert len(plans) == 7 and all(len(p.turns) == sources.TURNS for p in plans)
+    firsts = [len(p.turns[0].user_tokens) for p in plans]
+    assert firsts[:3] == list(sources.FIRST_PROMPT_TOKENS)
+    assert {len(t.user_tokens) for p in plans for t in p.turns[1:]} == {sources.NEW_TOKENS_PER_TURN}
+    assert kw["block_tokens"] == 128
+
+
+def test_modes_need_a_recommendation(calls, tmp_path, capsys):
+    rc = cli.main(["verify", "--config", "defaults", "--modes", "--out", str(tmp_path)])
+    assert rc == 2 and "--modes: needs --tune-dir" in capsys.readouterr().err and calls == []

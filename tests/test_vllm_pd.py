@@ -87,11 +87,21 @@ def test_with_context_replaces_carriers_echoed_from_an_earlier_turn():
     assert echoed[spans.KV_PARAMS_TURN] == 1  # the input is not changed
 
 
-@pytest.mark.parametrize("ttl_s, margin_s", [(480, 30.0), (120, 30.0), (44, 11.0), (4, 1.0)])
+@pytest.mark.parametrize("ttl_s, margin_s", [(480, 30.0), (120, 30.0), (44, 11.0), (24, 6.0),
+                                             (10, 6.0), (7, 6.0)])
 def test_router_margin_and_its_inverse(ttl_s, margin_s):
     assert pd.router_margin_s(ttl_s) == pytest.approx(margin_s)
     router_ttl = ttl_s - margin_s
+    assert pd.router_ttl_s(ttl_s) == pytest.approx(router_ttl)
     assert pd.decoder_ttl_for_router_ttl_s(router_ttl) == pytest.approx(ttl_s)
+
+
+@pytest.mark.parametrize("ttl_s", [0.5, 4, 5, 6])
+def test_a_ttl_inside_vllms_readback_margin_is_never_offered(ttl_s):
+    """vLLM declines a readback whose blocks expire within 5 s (and the request fails): the router
+    keeps that plus a second of slack, so these TTLs leave it nothing to offer."""
+    assert pd.MIN_ROUTER_MARGIN_S == pd.READBACK_SAFETY_MARGIN_S + pd.READBACK_SLACK_S
+    assert pd.router_ttl_s(ttl_s) == 0.0 and pd.router_margin_s(ttl_s) == ttl_s
 
 
 def test_progress_delay_applies_to_pull_only():

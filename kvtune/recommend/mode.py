@@ -33,7 +33,7 @@ from kvtune.recommend.evidence import ModeEvidence, TtftMs
 from kvtune.recommend.results import NEVER, Finding, Recommendation
 from kvtune.sim.calibrate import SimInput
 from kvtune.sim.estimate import calibrate, ttft_per_mode
-from kvtune.vllm_pd import router_margin_s
+from kvtune.vllm_pd import router_ttl_s
 
 logger = logging.getLogger(__name__)
 
@@ -64,7 +64,7 @@ def _analytic(workload: Workload, fit: FloorFit, prefill: PrefillCost, *, bytes_
                          for t in tokens])
 
     full = np.array([prefill.predict_ms(x) for x in p])
-    router_ttl = ttl_s - router_margin_s(ttl_s) if ttl_s > 0 else 0.0
+    router_ttl = router_ttl_s(ttl_s) if ttl_s > 0 else 0.0
     reuse = (h > 0) & (h >= threshold_tokens) & np.isfinite(g) & (g <= router_ttl)
     bidi_prefill = np.where(reuse, [prefill.predict_ms(x - y, y) for x, y in zip(p, h)], full)
     bidi_pull = np.where(reuse, xfer(h), 0.0)

@@ -17,7 +17,8 @@ import numpy as np
 from kvtune.analysis.workload import Workload
 from kvtune.recommend.evidence import TtlEvidence
 from kvtune.recommend.results import Finding, Recommendation
-from kvtune.vllm_pd import DECODER_KV_BLOCKS_TTL, decoder_ttl_for_router_ttl_s, router_margin_s
+from kvtune.vllm_pd import (DECODER_KV_BLOCKS_TTL, decoder_ttl_for_router_ttl_s, router_margin_s,
+                             router_ttl_s)
 
 NAME = DECODER_KV_BLOCKS_TTL
 UNIT = "s"
@@ -67,7 +68,7 @@ def captured_share(ttl_s: float, gaps: np.ndarray, toks: np.ndarray, threshold: 
     total = float(np.sum(toks[reusable]))
     if total <= 0:
         return 0.0
-    within = reusable & (gaps <= ttl_s - router_margin_s(ttl_s))
+    within = reusable & (gaps <= router_ttl_s(ttl_s))
     return float(np.sum(toks[within])) / total
 
 

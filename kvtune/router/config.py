@@ -153,8 +153,10 @@ def _validate(cfg: RouterConfig, source: str = "router config") -> None:
         if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
             raise ConfigError(f"{source}: field {name!r}: expected a positive number of seconds, "
                               f"got {value!r}")
-    if not (isinstance(cfg.margin_s, (int, float)) and 0 <= cfg.margin_s < cfg.decoder_ttl_s):
-        raise ConfigError(f"{source}: field 'margin_s': expected 0 <= margin_s < decoder_ttl_s "
+    if not (isinstance(cfg.margin_s, (int, float)) and 0 <= cfg.margin_s <= cfg.decoder_ttl_s):
+        # margin == TTL: the router never offers retained history back (a decode TTL too short
+        # for vLLM's readback margin, kvtune.vllm_pd.READBACK_SAFETY_MARGIN_S)
+        raise ConfigError(f"{source}: field 'margin_s': expected 0 <= margin_s <= decoder_ttl_s "
                           f"({cfg.decoder_ttl_s}), got {cfg.margin_s!r}")
     if not (isinstance(cfg.max_connections, int) and cfg.max_connections >= 1):
         raise ConfigError(f"{source}: field 'max_connections': expected an integer >= 1, "

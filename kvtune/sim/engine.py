@@ -38,6 +38,7 @@ from kvtune import spans
 from kvtune.sim.config import SimConfig
 from kvtune.sim.timeline import RequestTimeline, Retention, Timeline
 from kvtune.sim.workload import Arrival, Traffic
+from kvtune.vllm_pd import router_ttl_s
 
 PUSH, PULL, BIDI = spans.Mode.PUSH, spans.Mode.PULL, spans.Mode.BIDIRECTIONAL
 _NAN = math.nan
@@ -238,10 +239,13 @@ class Simulation:
         conv = self.convs.get(req.conv)
         d = self.decodes[conv.dinst] if conv is not None and conv.dinst >= 0 else None
         ret = d.retained.get(req.conv) if d is not None else None
-        if ret is None:
+        # the router offers retained history back only within its TTL (the decode's minus the
+        # margin vLLM's readback needs, kvtune.vllm_pd.router_ttl_s); the decode keeps it longer
+        offered = ret is not None and t - ret.start <= router_ttl_s(ret.ttl_s) * 1e3
+        if ret is None or not offered:
             req.remote_tokens = 0
-            expired = req.history > 0 and conv is not None and conv.last_outcome in (
-                spans.RetentionOutcome.EXPIRED.value, spans.RetentionOutcome.EVICTED.value)
+            expired = req.history > 0 and conv is not None and (ret is not None or conv.last_outcome in (
+                spans.RetentionOutcome.EXPIRED.value, spans.RetentionOutcome.EVICTED.value))
             if local:
                 req.outcome, req.cached = RO.LOCAL_HIT.value, local
             else:

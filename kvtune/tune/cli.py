@@ -29,6 +29,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "(default), a veth link to a network namespace shaped to RATE (e.g. "
                         "shaped:200mbit; needs root, ip and tc), or auto (shaped:1gbit where "
                         "possible, else loopback; what `make tune` uses)")
+    p.add_argument("--verify", action="store_true",
+                   help="without --traces: then replay the same kind of traffic on the local pair "
+                        "under vLLM's defaults and under the recommendation (kvtune verify) and "
+                        "state the verdict at the top of the report (a few minutes more)")
     p.add_argument("--notebooks", default=",".join(TUNE_NOTEBOOKS),
                    help="comma-separated notebooks to run (default: all)")
     p.set_defaults(func=run)
@@ -62,6 +66,10 @@ def run(args: argparse.Namespace) -> int:
     if args.traces and fabric.rate_mbit is not None:
         raise ConfigError(f"--fabric {args.fabric}: applies only without --traces (it shapes the "
                           f"link of the spans kvtune makes itself)")
+    if args.verify and args.traces:
+        raise ConfigError("--verify: applies only without --traces (it replays the traffic of the "
+                          "pair kvtune runs itself; for your cluster run `kvtune verify "
+                          "--tune-dir OUT --prefill URL --decode URL`)")
     result = run_tune(args.traces, args.out, parameters=params,
                       notebooks=[n for n in args.notebooks.split(",") if n],
                       default_source={"fabric": fabric} if fabric.rate_mbit is not None else None)
@@ -78,4 +86,22 @@ def run(args: argparse.Namespace) -> int:
             item = rec.get("recommendations", rec).get(key, rec.get(key))
             value = item.get("value") if isinstance(item, dict) else item
             print(f"  {key:24s} {value}")
+    if args.verify:
+        _verify(result, fabric.rate_mbit)
     return 0
+
+
+def _verify(result: Any, rate_mbit: float | None) -> None:
+    from kvtune.verify.tune_link import verify_tune_dir
+
+    if result.source_kind != "vllm-pair":
+        print(f"  verification:    skipped: the spans came from {result.source_kind}, not the "
+              f"local vLLM pair it would replay on")
+        return
+    res = verify_tune_dir(result.out_dir, shaped_rate_mbit=rate_mbit)
+    for comp in res.comparisons:
+        print(f"  verification:    {comp.verdict}")
+    if res.predictions is not None:
+        for line in res.predictions.lines():
+            print(f"    {line}")
+    print(f"  report (again):  {result.report_html}")

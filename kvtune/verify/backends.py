@@ -48,6 +48,9 @@ class LocalPairBackend:
     pair_factory: PairFactory | None = None
     pair_kwargs: Mapping[str, Any] = field(default_factory=dict)
     description: str = "local vLLM pair (restarted per configuration)"
+    shaped_rate_mbit: float | None = None
+    """Run each pair across a shaped link at this rate (``kvtune.local.fabric.ShapedLink``, as
+    ``kvtune tune --fabric shaped:RATE`` does); None: loopback."""
 
     @contextlib.contextmanager
     def deploy(self, config: VerifyConfig, workdir: Path) -> Iterator[Upstreams]:
@@ -57,6 +60,14 @@ class LocalPairBackend:
             factory = LocalPair
         kwargs = {**config.pair_kwargs(), "workdir": workdir / "pair",
                   "spans_dir": workdir / "spans", **dict(self.pair_kwargs)}
+        with contextlib.ExitStack() as stack:
+            if self.shaped_rate_mbit is not None:
+                from kvtune.local.fabric import ShapedLink
+                kwargs["fabric"] = stack.enter_context(ShapedLink(self.shaped_rate_mbit))
+            yield from self._deploy(factory, kwargs)
+
+    @staticmethod
+    def _deploy(factory: Any, kwargs: dict[str, Any]) -> Iterator[Upstreams]:
         with factory(**kwargs) as pair:
             prefill = InstanceConfig(url=pair.prefill_url, engine_id=pair.prefill_engine_id,
                                      kv_port=pair.prefill_side_channel_port)

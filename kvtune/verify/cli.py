@@ -65,8 +65,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="local pair: kvtune's instrumented connectors or vLLM's own")
     t.add_argument("--layout", default=None, help="local pair layout (pinned, quiet)")
     t.add_argument("--fabric", default=None,
-                   help="local pair: passed as LocalPair(fabric=...) (e.g. shaped:RATE), where "
-                        "this kvtune's LocalPair takes it")
+                   help="local pair: 'loopback', 'shaped:RATE' (e.g. shaped:1gbit: both servers "
+                        "in network namespaces joined by a rate-limited veth) or 'auto' (as "
+                        "`make tune`)")
     t.add_argument("--prefill", action="append", default=[], metavar="URL",
                    help="cluster: a prefill instance (repeat); with --decode")
     t.add_argument("--decode", action="append", default=[], metavar="URL",
@@ -118,12 +119,12 @@ def _backend(args: argparse.Namespace) -> Any:
     if args.layout:
         kwargs["layout"] = args.layout
     if args.fabric:
-        import inspect
-
-        from kvtune.local.pair import LocalPair
-        if "fabric" not in inspect.signature(LocalPair).parameters:
-            raise ConfigError("verify --fabric: this kvtune's LocalPair has no 'fabric' option")
-        kwargs["fabric"] = args.fabric
+        from kvtune.local.fabric import parse_fabric
+        spec = parse_fabric(args.fabric)
+        if spec.rate_mbit is not None:
+            return LocalPairBackend(pair_kwargs=kwargs, shaped_rate_mbit=spec.rate_mbit,
+                                    description=f"local vLLM pair on {spec.name} (restarted per "
+                                                f"configuration)")
     return LocalPairBackend(pair_kwargs=kwargs)
 
 

@@ -17,6 +17,8 @@ from kvtune.errors import KvtuneError
 from kvtune.verify import figures, results, verdict
 
 VERIFY_DIR: Final = "verify"
+TUNE_VERIFY_CONVERSATIONS: Final = 12
+"""``kvtune tune --verify``: conversations replayed per configuration (x4 turns = 48 requests)."""
 FIGURE_PREFIX: Final = "verify"
 """Figures land in ``figures/verify--*.json``: the report's section for the name ``verify``."""
 
@@ -68,3 +70,32 @@ def attach(result: results.VerifyResult, tune_dir: str | Path) -> Path | None:
     return write_report(tune / "report.html", figs, title="kvtune tuning report", source=source,
                         values={}, notebooks=[*TUNE_NOTEBOOKS, FIGURE_PREFIX],
                         recommendation=rec, configs_dir=rec_path.parent)
+
+
+def verify_tune_dir(tune_dir: str | Path, *, shaped_rate_mbit: float | None,
+                    conversations: int = TUNE_VERIFY_CONVERSATIONS, seed: int = 1,
+                    progress: bool = True) -> results.VerifyResult:
+    """``kvtune tune --verify``: replay the embedded default's traffic (another seed) on the local
+    pair under vLLM's defaults and under the recommendation just written to ``tune_dir``, on the
+    same fabric, and show the verdict and the predictions' check at the top of its report."""
+    from kvtune.local.server import BLOCK_TOKENS
+    from kvtune.tune.sources import PARALLEL_CONVERSATIONS, workload_plans
+    from kvtune.verify import configs as C
+    from kvtune.verify.backends import LocalPairBackend
+    from kvtune.verify.run import describe, run_verify
+
+    tune = Path(tune_dir)
+    rec_path = tune / "configs" / C.RECOMMENDATION_FILE
+    if not rec_path.is_file():
+        raise KvtuneError(f"kvtune tune --verify: {rec_path}: no recommendation to verify")
+    rec = json.loads(rec_path.read_text())
+    plans = workload_plans(conversations, seed=seed)
+    backend = LocalPairBackend(shaped_rate_mbit=shaped_rate_mbit)
+    result = run_verify([C.vllm_defaults(), C.from_recommendation(rec_path, data=rec)], backend,
+                        plans, tune / VERIFY_DIR,
+                        workload=describe(plans, f"kvtune tune's embedded default traffic "
+                                                 f"(seed {seed})"),
+                        recommendation=rec, max_concurrency=PARALLEL_CONVERSATIONS,
+                        progress=progress, block_tokens=BLOCK_TOKENS, seed=seed)
+    attach(result, tune)
+    return result

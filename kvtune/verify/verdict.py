@@ -93,9 +93,27 @@ def verification_entry(result: VerifyResult, *, result_path: str = "verify/verif
               f"({ch.n_pairs} matched requests, {result.target}; {result_path})"
               if ch is not None and ch.faster_pct >= 0 else
               f"{comp.verdict} ({result.target}; {result_path})")
+    pred = _prediction_text(result, comp.candidate)
     return {"status": status(ch),
             "ttft_p50_change_pct": round(-ch.faster_pct, 2) if ch is not None else None,
-            "detail": detail, "baseline": comp.baseline, "candidate": comp.candidate}
+            "detail": detail + (f"; {pred}" if pred else ""), "baseline": comp.baseline,
+            "candidate": comp.candidate}
+
+
+def _prediction_text(result: VerifyResult, candidate: str) -> str:
+    """How the candidate's predicted TTFT p50 and reuse captured compared with the measurement."""
+    p = result.predictions
+    if p is None:
+        return ""
+    parts = [f"{m.mode} TTFT p50 predicted {m.predicted_p50_ms:.0f} ms, measured "
+             f"{m.measured_p50_ms:.0f} ms ({m.error_share:+.0%})"
+             for m in p.modes if m.config == candidate and m.measured_p50_ms is not None
+             and m.error_share is not None]
+    r = p.reuse
+    if r is not None and r.config == candidate and r.measured_share is not None:
+        parts.append(f"reuse captured predicted {r.predicted_share:.0%}, measured "
+                     f"{r.measured_share:.0%}")
+    return "; ".join(parts)
 
 
 def matches_recommendation(result: VerifyResult, rec: Mapping[str, Any]) -> bool:
