@@ -391,12 +391,17 @@ def test_prefix_caching_on_the_prefill_is_a_local_hit(mode):
     if mode == "bidirectional":  # the decode holds more (prompt + output): pulled back instead
         assert df.loc[2, "reuse_outcome"] == S.ReuseOutcome.PULL.value
         assert df.loc[2, "cached_tokens"] == 3050
-    else:  # the prefill cached turn 1's prompt; turn 2 computes the output and new tokens
-        assert df.loc[2, "cached_tokens"] == 3000
-        assert df.loc[2, "computed_tokens"] == df.loc[2, "prompt_tokens"] - 3000
+    else:  # the prefill cached turn 1's prompt (whole 16-token blocks: 2992 of 3000); turn 2
+        # computes the rest, the output and the new tokens
+        assert df.loc[2, "cached_tokens"] == 2992
+        assert df.loc[2, "computed_tokens"] == df.loc[2, "prompt_tokens"] - 2992
+        # the decode's own cache holds turn 1's prompt + output (3050 -> 3040 in whole blocks):
+        # the forward transfer moves only the rest, as vLLM's decode-side prefix hit does
+        assert df.loc[2, "forward_tokens"] == df.loc[2, "prompt_tokens"] - 3040
+        assert df.loc[1, "forward_tokens"] == df.loc[1, "prompt_tokens"]
     if mode != "bidirectional":  # a cache smaller than the prompt keeps only a prefix of it
         small = simulate(cfg.with_(reuse={"prefix_caching": True, "prefill_cache_tokens": 1000}))
-        assert small.requests.set_index("turn").loc[2, "cached_tokens"] == 1000
+        assert small.requests.set_index("turn").loc[2, "cached_tokens"] == 992
 
 
 def test_retention_released_when_recomputed_unless_the_decode_keeps_it_as_prefix():

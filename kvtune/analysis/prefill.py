@@ -183,3 +183,46 @@ def _interval(value: float, half: float) -> tuple[float, float] | None:
     if not np.isfinite(half):
         return None
     return (max(0.0, float(value - half)), float(value + half))
+
+
+@dataclass(frozen=True)
+class LocalPrefixHits:
+    """What the prefills' own prefix caches held for later turns: ``kv.cached_tokens`` of each
+    later turn's ``kv.prefill`` span minus the history pulled back from a decode for it
+    (reverse transfers' ``kv.tokens``)."""
+
+    later_turns: int
+    """Later turns (turn >= 2) with a ``kv.prefill`` span carrying ``kv.cached_tokens``."""
+    turns_with_local_hits: int
+    local_tokens: int
+
+    @property
+    def prefix_caching(self) -> bool | None:
+        """Whether the prefills cache prefixes (None: no later turn to tell by)."""
+        return None if self.later_turns == 0 else self.turns_with_local_hits > 0
+
+
+def local_prefix_hits(spans: pd.DataFrame, transfers: pd.DataFrame) -> LocalPrefixHits:
+    """The prefills' local prefix hits on later turns (see :class:`LocalPrefixHits`);
+    ``transfers`` is ``kvtune.analysis.transfers(spans)``."""
+    need = {sc.CONVERSATION_ID, sc.TURN, sc.CACHED_TOKENS}
+    if spans.empty or not need <= set(spans.columns):
+        return LocalPrefixHits(0, 0, 0)
+    pre = spans[(spans["name"].astype("object") == sc.SpanName.PREFILL.value).to_numpy(dtype=bool)]
+    pre = pre[(pre[sc.TURN].astype("Float64") >= 2).fillna(False).to_numpy(dtype=bool)
+              & pre[sc.CACHED_TOKENS].notna().to_numpy(dtype=bool)
+              & pre[sc.CONVERSATION_ID].notna().to_numpy(dtype=bool)]
+    if pre.empty:
+        return LocalPrefixHits(0, 0, 0)
+    pulled: dict[tuple[str, int], float] = {}
+    if not transfers.empty and {"direction", "conversation_id", "turn", "tokens"} <= set(
+            transfers.columns):
+        rev = transfers[(transfers["direction"].astype("object")
+                         == sc.Direction.REVERSE.value).to_numpy(dtype=bool)]
+        for conv, turn, tok in zip(rev["conversation_id"], rev["turn"], rev["tokens"]):
+            if pd.notna(conv) and pd.notna(turn) and pd.notna(tok):
+                key = (str(conv), int(turn))
+                pulled[key] = pulled.get(key, 0.0) + float(tok)
+    local = [max(0.0, float(c) - pulled.get((str(conv), int(t)), 0.0))
+             for conv, t, c in zip(pre[sc.CONVERSATION_ID], pre[sc.TURN], pre[sc.CACHED_TOKENS])]
+    return LocalPrefixHits(len(local), sum(v > 0 for v in local), int(sum(local)))

@@ -93,12 +93,17 @@ SimTtft = dict[str, tuple[float, float]]
 
 def _simulated(workload: Workload, fit: FloorFit, prefill: PrefillCost, *, bytes_per_token: float,
                descriptors_per_token: float, ttl_s: float | None, threshold_tokens: int | None,
-               prefill_instances: int, fit_source: str) -> tuple[SimTtft, tuple[SimInput, ...]]:
+               prefill_instances: int, fit_source: str, prefix_caching: bool | None = None,
+               prefix_caching_source: str = "setting", first_step_ms: float | None = None,
+               first_step_source: str = "measured"
+               ) -> tuple[SimTtft, tuple[SimInput, ...]]:
     """(p50, p99) per mode from the simulator, and the numbers it played with their sources."""
     cal = calibrate(workload, fit, prefill, ttl_s=ttl_s, threshold_tokens=threshold_tokens,
                     bytes_per_token=bytes_per_token,
                     descriptors_per_token=descriptors_per_token or None,  # 0: not measured
-                    fit_source=fit_source, prefill_instances=prefill_instances)
+                    fit_source=fit_source, prefill_instances=prefill_instances,
+                    prefix_caching=prefix_caching, prefix_caching_source=prefix_caching_source,
+                    first_step_ms=first_step_ms, first_step_source=first_step_source)
     res = ttft_per_mode(cal.config)
     return {m.value: (float(v.p50_ms), float(v.p99_ms)) for m, v in res.items()}, cal.inputs
 
@@ -151,10 +156,16 @@ def recommend_mode(workload: Workload, fit: FloorFit, prefill: PrefillCost, *,
                    bytes_per_token: float, descriptors_per_token: float,
                    threshold: int | str, ttl_s: float, early_decode_ok: bool = True,
                    prefill_instances: int = 1, use_simulator: bool = True,
-                   fit_source: str = "floor fit") -> tuple[Recommendation, list[Finding]]:
+                   fit_source: str = "floor fit", prefix_caching: bool | None = None,
+                   prefix_caching_source: str = "setting", first_step_ms: float | None = None,
+                   first_step_source: str = "measured"
+                   ) -> tuple[Recommendation, list[Finding]]:
     """Compare the modes' expected TTFT and pick one (see module doc). ``use_simulator=False``
     keeps to the analytic model; ``fit_source`` names where the floor fit came from (for the list
-    of simulator inputs)."""
+    of simulator inputs); ``prefix_caching`` (None: the preset's) whether the engines cache
+    prefixes, as the traces showed (``prefix_caching_source`` says how it is known);
+    ``first_step_ms`` (None: the preset's decode step) the decode's time from KV ready to the first
+    token, as traced."""
     thr = math.inf if threshold == NEVER else float(threshold)
     findings: list[Finding] = []
     ttft, util = _analytic(workload, fit, prefill, bytes_per_token=bytes_per_token,
@@ -170,7 +181,9 @@ def recommend_mode(workload: Workload, fit: FloorFit, prefill: PrefillCost, *,
                 workload, fit, prefill, bytes_per_token=bytes_per_token,
                 descriptors_per_token=descriptors_per_token, ttl_s=ttl_s if ttl_s > 0 else None,
                 threshold_tokens=None if thr == math.inf else int(thr),
-                prefill_instances=prefill_instances, fit_source=fit_source)
+                prefill_instances=prefill_instances, fit_source=fit_source,
+                prefix_caching=prefix_caching, prefix_caching_source=prefix_caching_source,
+                first_step_ms=first_step_ms, first_step_source=first_step_source)
         except SimError as exc:  # the traced workload cannot be simulated: keep to the analytic
             logger.warning("kvtune.sim failed; using the analytic model", exc_info=True)
             findings.append(Finding("simulator_failed", "info",

@@ -10,7 +10,7 @@ import numpy as np
 import pandas as pd
 
 from kvtune.analysis.fit import FloorFit, fit_floor
-from kvtune.analysis.prefill import PrefillCost, prefill_cost
+from kvtune.analysis.prefill import PrefillCost, local_prefix_hits, prefill_cost
 from kvtune.analysis.transfers import transfers as transfers_table
 from kvtune.analysis.workload import Workload, workload as workload_of
 from kvtune.errors import AnalysisError, ConfigError
@@ -196,13 +196,26 @@ def recommend(spans: pd.DataFrame, *, geometry: Any = None,
     mode_fit, f = split_with_probe(fit, tr, bytes_per_token=bpt, descriptors_per_token=dpt,
                                    n_boot=n_boot, seed=seed)
     findings += f
+    hits = local_prefix_hits(spans, tr)
+    first = tr["decode_start_ms"].dropna().astype(float) if "decode_start_ms" in tr else None
+    first_ms = float(first.median()) if first is not None and len(first) else None
     mode, f = recommend_mode(wl, mode_fit, pc, bytes_per_token=bpt, descriptors_per_token=dpt,
                              threshold=thr.value, ttl_s=float(ttl.value),
                              early_decode_ok=early_decode_ok, prefill_instances=prefill_instances,
                              use_simulator=use_simulator,
                              fit_source=f"floor fit ({fit_source}"
                              + ("; link bandwidth from the fabric probe)" if mode_fit is not fit
-                                else ")"))
+                                else ")"),
+                             prefix_caching=hits.prefix_caching,
+                             prefix_caching_source=(
+                                 f"measured: the prefills' own prefix caches served "
+                                 f"{hits.turns_with_local_hits} of {hits.later_turns} later turns "
+                                 f"({hits.local_tokens} tokens)"),
+                             first_step_ms=first_ms,
+                             first_step_source=f"measured: KV ready -> first decode step "
+                                               f"(kv.decode_start median of {0 if first is None else len(first)} "
+                                               f"transfers); later steps take the same in the "
+                                               f"simulator")
     findings += f
     findings += readiness(tr, spans, fit=fit, workload=wl, fabric=fabric)
     # What each Tempo source read (range, traces, spans) and whether its search was cut short.

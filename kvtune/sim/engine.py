@@ -76,7 +76,8 @@ class _Prefill:
 class _Decode:
     __slots__ = ("idx", "running", "step_no", "ctx", "inbox", "ready", "busy", "link_free",
                  "first_pending", "assigned", "mem_running", "retained", "mem_retained", "steps",
-                 "stall_ms", "reg_wait", "run_t0", "run_c0", "run_slope", "run_k", "run_token")
+                 "stall_ms", "reg_wait", "run_t0", "run_c0", "run_slope", "run_k", "run_token", "cache",
+                 "cache_used")
 
     def __init__(self, idx: int) -> None:
         self.idx = idx
@@ -98,6 +99,8 @@ class _Decode:
         self.run_t0 = self.run_c0 = self.run_slope = 0.0  # the current run of decode steps
         self.run_k = 0
         self.run_token = 0
+        self.cache: OrderedDict[int, int] = OrderedDict()  # prefix cache: conversation -> tokens
+        self.cache_used = 0
 
 
 class Simulation:
@@ -212,6 +215,18 @@ class Simulation:
         req.dinst = d.idx
         req.decode_assigned = True
         d.assigned += 1
+        if self.ru.prefix_caching and req.history:
+            # the decode's own prefix cache holds the conversation's last turn: the forward
+            # transfer moves only the whole blocks it lacks (vLLM: prompt minus the local hit)
+            held = d.cache.get(req.conv)
+            if held is not None:
+                d.cache.move_to_end(req.conv)
+                req.fwd_tokens = req.prompt - self.whole_blocks(min(held, req.history))
+
+    def whole_blocks(self, tokens: int) -> int:
+        """``tokens`` rounded down to whole KV blocks: prefix caches hit whole blocks only."""
+        b = max(1, self.tm.block_tokens)
+        return tokens // b * b
 
     # --- prefill ------------------------------------------------------------------------------
     def on_prefill_arrival(self, req: RequestTimeline) -> None:
@@ -222,7 +237,7 @@ class Simulation:
         if self.ru.prefix_caching and req.history:
             got = p.cache.get(req.conv)
             if got is not None:
-                local = min(got, req.history)
+                local = self.whole_blocks(min(got, req.history))
                 p.cache.move_to_end(req.conv)
         if self.bidi:
             req.decision = t
@@ -330,15 +345,19 @@ class Simulation:
             self.at(t + 2 * self.ov.hop_ms, self.on_pull_decode_arrival, req)
 
     def cache_prompt(self, p: _Prefill, req: RequestTimeline) -> None:
-        cap = self.ru.prefill_cache_tokens or self.dm.kv_capacity_tokens
-        old = p.cache.pop(req.conv, 0)
-        p.cache_used -= old
-        tokens = min(req.prompt, cap)
-        while p.cache and p.cache_used + tokens > cap:
-            _, n = p.cache.popitem(last=False)
-            p.cache_used -= n
-        p.cache[req.conv] = tokens
-        p.cache_used += tokens
+        self.cache_tokens(p, req.conv, req.prompt, self.ru.prefill_cache_tokens)
+
+    def cache_tokens(self, inst: _Prefill | _Decode, conv: int, tokens: int, cap: int = 0) -> None:
+        """LRU over conversations: ``inst`` now caches ``tokens`` of ``conv`` (``cap`` 0: the
+        decode's KV capacity)."""
+        cap = cap or self.dm.kv_capacity_tokens
+        inst.cache_used -= inst.cache.pop(conv, 0)
+        tokens = min(tokens, cap)
+        while inst.cache and inst.cache_used + tokens > cap:
+            _, n = inst.cache.popitem(last=False)
+            inst.cache_used -= n
+        inst.cache[conv] = tokens
+        inst.cache_used += tokens
 
     # --- push ---------------------------------------------------------------------------------
     def on_push_decode_arrival(self, req: RequestTimeline) -> None:
@@ -482,6 +501,8 @@ class Simulation:
         req.done = t + self.ov.hop_ms
         d.assigned -= 1
         conv = self.convs.get(req.conv)
+        if self.ru.prefix_caching:
+            self.cache_tokens(d, req.conv, req.prompt + req.output)
         if self.bidi:
             self.retain(d, req, t)
             if conv is not None:

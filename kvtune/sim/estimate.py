@@ -45,7 +45,8 @@ def calibrate(traffic: Traffic, floor_fit: FloorFit | None = None,
               prefix_caching: bool | None = None, ttl_s: float | None = None,
               threshold_tokens: int | None = None, bytes_per_token: float | None = None,
               descriptors_per_token: float | None = None, fit_source: str = "floor fit",
-              **config_changes: Any) -> Calibrated:
+              prefix_caching_source: str = "setting", first_step_ms: float | None = None,
+              first_step_source: str = "measured", **config_changes: Any) -> Calibrated:
     """The config :func:`expected_ttft` simulates (see there), with :func:`sim_inputs` naming
     which numbers came from the fits, the workload or the settings and which from the preset."""
     if max_requests < 1:
@@ -66,7 +67,7 @@ def calibrate(traffic: Traffic, floor_fit: FloorFit | None = None,
     reuse: dict[str, Any] = {}
     if prefix_caching is not None:
         reuse["prefix_caching"] = bool(prefix_caching)
-        sources["reuse.prefix_caching"] = "setting"
+        sources["reuse.prefix_caching"] = prefix_caching_source
     if ttl_s is not None:
         reuse["ttl_s"] = float(ttl_s)
         sources["reuse.ttl_s"] = "setting: recommended decoder_kv_blocks_ttl"
@@ -75,6 +76,7 @@ def calibrate(traffic: Traffic, floor_fit: FloorFit | None = None,
         sources["reuse.threshold_tokens"] = "setting: recommended kv_recompute_threshold"
     if reuse:
         config_changes["reuse"] = reuse
+
     for key in config_changes:
         sources.setdefault(key, "setting")
     geometry: dict[str, Any] = {}
@@ -89,6 +91,9 @@ def calibrate(traffic: Traffic, floor_fit: FloorFit | None = None,
         if cfg.reverse_transfer is not None:
             config_changes["reverse_transfer"] = geometry
     cfg = cfg.with_(seed=seed, **config_changes)
+    if first_step_ms is not None:  # the step that emits a request's first token after its KV
+        cfg = cfg.with_(decode={"step_base_ms": float(first_step_ms)})
+        sources["decode.step_base_ms"] = first_step_source
     return Calibrated(cfg, sim_inputs(cfg, sources))
 
 
