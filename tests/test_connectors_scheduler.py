@@ -49,8 +49,8 @@ from kvtune.connectors.observer import Emitter  # noqa: E402
 from kvtune.connectors.scheduler import KvtunePullScheduler, KvtunePushScheduler  # noqa: E402
 from kvtune.errors import ConnectorError  # noqa: E402
 from kvtune.vllm_pd import (  # noqa: E402
-    DO_REMOTE_DECODE, DO_REMOTE_PREFILL, REMOTE_BLOCK_IDS, REMOTE_ENGINE_ID, REMOTE_HOST,
-    REMOTE_NUM_TOKENS, REMOTE_PORT, REMOTE_REQUEST_ID,
+    DO_REMOTE_DECODE, DO_REMOTE_PREFILL, KV_TRANSFER_PARAMS, REMOTE_BLOCK_IDS, REMOTE_ENGINE_ID,
+    REMOTE_HOST, REMOTE_NUM_TOKENS, REMOTE_PORT, REMOTE_REQUEST_ID,
 )
 
 BLOCK = 128
@@ -71,7 +71,7 @@ def _kv_cache_config() -> KVCacheConfig:
 
 
 def _request(rid: str, n_tokens: int, params: dict[str, Any] | None) -> Request:
-    extra = {"kv_transfer_params": params} if params is not None else None
+    extra = {KV_TRANSFER_PARAMS: params} if params is not None else None
     return Request(rid, list(range(1, n_tokens + 1)), SamplingParams(max_tokens=1, extra_args=extra),
                    None)
 
@@ -80,7 +80,7 @@ def test_queue_span_from_arrival_to_first_look_once_per_request(
         exporter: InMemorySpanExporter) -> None:
     conn = _scheduler(exporter, "kv_producer")
     req = Request("cmpl-q-0-33333333", list(range(1, 41)),
-                  SamplingParams(max_tokens=1, extra_args={"kv_transfer_params":
+                  SamplingParams(max_tokens=1, extra_args={KV_TRANSFER_PARAMS:
                                                            {DO_REMOTE_DECODE: True}}),
                   None, arrival_time=time.time() - 2.5)
     conn.get_num_new_matched_tokens(req, 0)
@@ -278,7 +278,7 @@ def test_spans_name_the_vllm_and_nixl_releases_they_ran_on(
     sched = conn.connector_scheduler
     assert sched._kvt.telemetry is not None
     req = Request("cmpl-ver-0-44444444", list(range(1, 9)),
-                  SamplingParams(max_tokens=1, extra_args={"kv_transfer_params":
+                  SamplingParams(max_tokens=1, extra_args={KV_TRANSFER_PARAMS:
                                                            {DO_REMOTE_DECODE: True}}),
                   None, arrival_time=time.time() - 0.5)
     conn.get_num_new_matched_tokens(req, 0)

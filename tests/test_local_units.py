@@ -310,7 +310,7 @@ class StandInCompletions(BaseHTTPRequestHandler):
         out = list(body["prompt"][: body["max_tokens"]])
         if not body.get("stream"):
             data = {"choices": [{"text": "x" * len(out), "token_ids": out}],
-                    "kv_transfer_params": {REMOTE_BLOCK_IDS: [[1]]}}
+                    pd.KV_TRANSFER_PARAMS: {REMOTE_BLOCK_IDS: [[1]]}}
             raw = json.dumps(data).encode()
             self.send_response(200)
             self.send_header("Content-Length", str(len(raw)))

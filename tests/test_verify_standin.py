@@ -12,6 +12,7 @@ from kvtune.verify import results
 from kvtune.verify.backends import ClusterBackend
 from kvtune.verify.configs import load_config
 from kvtune.verify.run import run_verify
+from kvtune.vllm_pd import KV_TRANSFER_PARAMS, REMOTE_BLOCK_IDS
 
 SMALL = WorkloadConfig(n_conversations=3, turns=(2, 2), system_prompt_tokens=4,
                        first_user_tokens=(4, 8), follow_up_tokens=(2, 4), output_tokens=(2, 3),
@@ -42,7 +43,7 @@ def test_verify_through_router_and_standins(tmp_path):
     assert comp.verdict.startswith("bidi is ")
     # bidirectional turns 2 were offered the decode's retained history by the router
     bidi_prefills = [r for r in cluster.requests("prefill")
-                     if (r.body.get("kv_transfer_params") or {}).get("remote_block_ids")]
+                     if (r.body.get(KV_TRANSFER_PARAMS) or {}).get(REMOTE_BLOCK_IDS)]
     assert len(bidi_prefills) == 3
     back = results.read(tmp_path / "out" / results.RESULT_FILE)
     assert back == res
