@@ -12,7 +12,7 @@ from kvtune.verify import results
 from kvtune.verify.backends import ClusterBackend
 from kvtune.verify.configs import load_config
 from kvtune.verify.run import run_verify
-from kvtune.vllm_pd import KV_TRANSFER_PARAMS, REMOTE_BLOCK_IDS
+from kvtune.vllm_pd import BIDIRECTIONAL_KV_XFER, KV_TRANSFER_PARAMS, REMOTE_BLOCK_IDS
 
 SMALL = WorkloadConfig(n_conversations=3, turns=(2, 2), system_prompt_tokens=4,
                        first_user_tokens=(4, 8), follow_up_tokens=(2, 4), output_tokens=(2, 3),
@@ -29,7 +29,7 @@ def test_verify_through_router_and_standins(tmp_path):
                          backend, generate(SMALL), tmp_path / "out", workload="small",
                          progress=False)
     assert [name for name, _ in told] == ["defaults", "bidi"]
-    assert "bidirectional_kv_xfer" in told[1][1] and cluster.decode[0].instance().url in told[1][1]
+    assert BIDIRECTIONAL_KV_XFER in told[1][1] and cluster.decode[0].instance().url in told[1][1]
     assert [c.config.name for c in res.configs] == ["defaults", "bidi"]
     for c in res.configs:
         assert len(c.requests) == 6 and c.n_failed == 0
