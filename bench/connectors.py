@@ -92,7 +92,7 @@ def micro(steps: int = 20000, requests: int = 2000, blocks: int = 10) -> None:
 
     cfg = VllmConfig(kv_transfer_config=KVTransferConfig(
         kv_connector="KvtuneNixlPullConnector", kv_connector_module_path="kvtune.connectors",
-        kv_role="kv_producer", engine_id="bench-p"))
+        kv_role=vllm_pd.KV_PRODUCER, engine_id="bench-p"))
     spec = FullAttentionSpec(block_size=128, num_kv_heads=2, head_size=64, dtype=torch.bfloat16)
     kcc = KVCacheConfig(num_blocks=64, kv_cache_tensors=[],
                         kv_cache_groups=[KVCacheGroupSpec(layer_names=["l0"], kv_cache_spec=spec)])

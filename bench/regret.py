@@ -34,10 +34,10 @@ from kvtune.sim import Dist, SimConfig, WorkloadSpec, presets, simulate
 from kvtune.spans import Mode
 from kvtune.testing import synthetic
 from kvtune.traces import load
+from kvtune.vllm_pd import DEFAULT_DECODER_KV_BLOCKS_TTL_S as VLLM_DEFAULT_TTL_S
+from kvtune.vllm_pd import DEFAULT_KV_RECOMPUTE_THRESHOLD_TOKENS as VLLM_DEFAULT_THRESHOLD_TOKENS
+from kvtune.vllm_pd import DEFAULT_MODE as VLLM_DEFAULT_MODE
 
-VLLM_DEFAULT_THRESHOLD_TOKENS = 64
-VLLM_DEFAULT_TTL_S = 480.0
-VLLM_DEFAULT_MODE = Mode.PULL
 WITHIN_SHARE = 0.03
 """The recommendation's p50 must lie within 3% of the sweep's best."""
 THRESHOLDS: tuple[int | str, ...] = (16, 64, 256, 1024, 4096, 16384, NEVER)

@@ -18,20 +18,32 @@ FIGURES_DIR_ENV = "KVTUNE_FIGURES_DIR"
 """Where `show` saves each figure's JSON for the HTML report (set by `kvtune tune`)."""
 
 
-def show(fig: Any, name: str, *, notebook: str | None = None) -> Any:
-    """Display a plotly figure in the notebook and save it for the report (when run by `kvtune tune`)."""
+PLOTLY_MIME = "application/vnd.plotly.v1+json"
+"""The mime type of a plotly figure in a notebook (JupyterLab and nbconvert draw it)."""
+
+
+def show(fig: Any, name: str, *, notebook: str | None = None) -> None:
+    """Display a plotly figure in the notebook, once, and save it for the report (when run by
+    `kvtune tune`).
+
+    The figure is displayed as plotly's ``plotly_mimetype`` renderer (its choice in a Jupyter
+    kernel) would: the figure's JSON under :data:`PLOTLY_MIME`. Nothing is returned, so a cell
+    that ends in ``nb.show(...)`` does not display the figure a second time as its result; that
+    second display went through ``plotly.io``'s renderers, whose import (nbformat, jsonschema and
+    its URI grammars) took 2-4 s in every notebook kernel (profiled for
+    ``bench/notebook_stage.py``)."""
+    text = fig.to_json()
     out = os.environ.get(FIGURES_DIR_ENV)
     if out:
         prefix = notebook or os.environ.get("KVTUNE_NOTEBOOK", "figure")
         path = Path(out) / f"{prefix}--{name}.json"
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(fig.to_json())
+        path.write_text(text)
     try:
         from IPython.display import display
-        display(fig)
+        display({PLOTLY_MIME: json.loads(text)}, raw=True)
     except ImportError:  # outside IPython: nothing to display
         pass
-    return fig
 
 
 def publish(name: str, value: Any) -> None:

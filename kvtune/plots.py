@@ -8,6 +8,7 @@ import numpy as np
 import pandas as pd
 
 from kvtune.spans import PHASE_COLUMNS, PHASES
+from kvtune.vllm_pd import DEFAULT_KV_RECOMPUTE_THRESHOLD_TOKENS
 
 PHASE_COLORS = {
     "registration_ms": "#8c564b", "rendezvous_ms": "#9467bd", "descriptor_setup_ms": "#ff7f0e",
@@ -117,10 +118,6 @@ def table(rows: Sequence[dict[str, Any]], *, title: str = "") -> Any:
     return fig
 
 
-DEFAULT_THRESHOLD_TOKENS = 64
-"""vLLM's default ``kv_recompute_threshold`` (tokens), marked on the threshold figure."""
-
-
 def threshold_curve(tuning: Any, prefill: Any, *, max_tokens: int | None = None,
                     title: str = "Recompute vs pull: where pulling history back pays") -> Any:
     """Pull cost (floor + wire) and recompute cost over history length, break-even and its range."""
@@ -150,7 +147,8 @@ def threshold_curve(tuning: Any, prefill: Any, *, max_tokens: int | None = None,
                                  name=f"95% range {lo}-{hi}", mode="lines"))
     if isinstance(thr.value, (int, float)):
         vline(thr.value, f"recommended {thr.value}", color="black")
-    vline(DEFAULT_THRESHOLD_TOKENS, f"vLLM default {DEFAULT_THRESHOLD_TOKENS}", color="gray",
+    vline(DEFAULT_KV_RECOMPUTE_THRESHOLD_TOKENS,
+          f"vLLM default {DEFAULT_KV_RECOMPUTE_THRESHOLD_TOKENS}", color="gray",
           dash="dot")
     fig.update_layout(title=title, xaxis_type="log", xaxis_title="history tokens (R)",
                       yaxis_title="ms", yaxis_type="log")

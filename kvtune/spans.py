@@ -181,6 +181,12 @@ class Mode(str, Enum):
     PROBE = "probe"
 
 
+PD_MODES: tuple[Mode, ...] = (Mode.PUSH, Mode.PULL, Mode.BIDIRECTIONAL)
+"""The prefill/decode modes (every :class:`Mode` but the fabric probe's): what vLLM serves, the
+simulator plays and kvtune recommends. Bidirectional = pull forward transfers + reverse reuse of
+history."""
+
+
 class Direction(str, Enum):
     FORWARD = "forward"
     """Prefill -> decode (the prompt's KV)."""

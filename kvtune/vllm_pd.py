@@ -79,6 +79,17 @@ STREAMED_PARAMS_SINCE: Final = "0.33"
 """The vLLM release from which a streamed answer carries ``kv_transfer_params`` (last chunk)."""
 
 # --- kv-transfer-config ---------------------------------------------------------------------------
+KV_CONNECTOR: Final = "kv_connector"
+"""kv-transfer-config key: the connector class (:data:`CONNECTOR_CLASSES`)."""
+KV_CONNECTOR_MODULE_PATH: Final = "kv_connector_module_path"
+"""kv-transfer-config key: the module vLLM imports the class from (:data:`CONNECTOR_MODULES`)."""
+KV_ROLE: Final = "kv_role"
+"""kv-transfer-config key: ``kv_producer`` (prefill) or ``kv_consumer`` (decode)."""
+KV_BUFFER_DEVICE: Final = "kv_buffer_device"
+ENGINE_ID: Final = "engine_id"
+KV_CONNECTOR_EXTRA_CONFIG: Final = "kv_connector_extra_config"
+"""kv-transfer-config key (and ``KVTransferConfig`` attribute): the connector's own settings,
+keyed by the constants below."""
 KV_RECOMPUTE_THRESHOLD: Final = "kv_recompute_threshold"
 """Extra-config key: a remote history shorter than this many tokens is recomputed, not pulled."""
 DEFAULT_KV_RECOMPUTE_THRESHOLD_TOKENS: Final = 64
@@ -102,7 +113,9 @@ DEFAULT_NUM_THREADS: Final = 4
 DEFAULT_SIDE_CHANNEL_PORT: Final = 5600
 """vLLM's default ``VLLM_NIXL_SIDE_CHANNEL_PORT`` (:data:`SIDE_CHANNEL_PORT_ENV`)."""
 SIDE_CHANNEL_PORT_ENV: Final = "VLLM_NIXL_SIDE_CHANNEL_PORT"
-KV_ROLES: Final = {"prefill": "kv_producer", "decode": "kv_consumer"}
+KV_PRODUCER: Final = "kv_producer"
+KV_CONSUMER: Final = "kv_consumer"
+KV_ROLES: Final = {"prefill": KV_PRODUCER, "decode": KV_CONSUMER}
 """``kv_role`` of each server role."""
 KVTUNE_CONNECTOR_MODULE: Final = "kvtune.connectors"
 PLAIN_CONNECTOR_MODULE: Final = "kvtune.connectors.plain"
@@ -123,8 +136,13 @@ CONNECTOR_CLASSES: Final = {
 CONNECTOR_MODULES: Final = {"kvtune": KVTUNE_CONNECTOR_MODULE, "vllm": None,
                             "plain": PLAIN_CONNECTOR_MODULE}
 """``kv_connector_module_path`` per family (None: vLLM's registry finds the class)."""
-MODES: Final = (spans.Mode.PULL.value, spans.Mode.PUSH.value, spans.Mode.BIDIRECTIONAL.value)
-"""The P/D modes (``spans.Mode`` values)."""
+DEFAULT_MODE: Final = spans.Mode.PULL
+"""What vLLM does by default: its ``NixlConnector`` pulls (``bidirectional_kv_xfer`` off)."""
+CONNECTOR_FAMILIES: Final = ("kvtune", "vllm")
+"""Connector families a user names (export, ``kvtune local``): kvtune's instrumented subclasses or
+vLLM's own (``plain`` is chosen by kvtune, see :data:`CONNECTOR_CLASSES`)."""
+MODES: Final = tuple(m.value for m in spans.PD_MODES)
+"""The P/D modes as strings (:data:`kvtune.spans.PD_MODES` values)."""
 
 
 def mode_value(mode: spans.Mode | str, *, where: str = "mode") -> str:
@@ -154,15 +172,15 @@ def kv_transfer_config(role: str, mode: spans.Mode | str, *, connector: str = "k
     extra = dict(extra_config or {})
     if m == spans.Mode.BIDIRECTIONAL.value:
         extra.setdefault(BIDIRECTIONAL_KV_XFER, True)
-    cfg: dict[str, Any] = {"kv_connector": CONNECTOR_CLASSES[(connector, m)],
-                           "kv_role": KV_ROLES[role]}
+    cfg: dict[str, Any] = {KV_CONNECTOR: CONNECTOR_CLASSES[(connector, m)],
+                           KV_ROLE: KV_ROLES[role]}
     if CONNECTOR_MODULES[connector] is not None:
-        cfg["kv_connector_module_path"] = CONNECTOR_MODULES[connector]
+        cfg[KV_CONNECTOR_MODULE_PATH] = CONNECTOR_MODULES[connector]
     if kv_buffer_device:
-        cfg["kv_buffer_device"] = kv_buffer_device
+        cfg[KV_BUFFER_DEVICE] = kv_buffer_device
     if engine_id is not None:
-        cfg["engine_id"] = engine_id
-    cfg["kv_connector_extra_config"] = extra
+        cfg[ENGINE_ID] = engine_id
+    cfg[KV_CONNECTOR_EXTRA_CONFIG] = extra
     return cfg
 
 

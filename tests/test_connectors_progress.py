@@ -30,6 +30,7 @@ from kvtune.connectors.progress import (
     settings_of,
     thread_from_extra_config,
 )
+from kvtune.vllm_pd import BIDIRECTIONAL_KV_XFER, KV_CONSUMER, KV_PRODUCER
 
 SAMPLES = 60
 
@@ -141,14 +142,14 @@ def test_read_between_sleeping_agents_completes() -> None:
 def test_connectors_apply_the_delay_in_pull_mode_only(push, bidirectional, expected, caplog) -> None:
     from types import SimpleNamespace
 
-    extra = {EXTRA_CONFIG_KEY: 1000, "bidirectional_kv_xfer": bidirectional}
-    cfg = SimpleNamespace(kv_transfer_config=SimpleNamespace(kv_role="kv_consumer",
+    extra = {EXTRA_CONFIG_KEY: 1000, BIDIRECTIONAL_KV_XFER: bidirectional}
+    cfg = SimpleNamespace(kv_transfer_config=SimpleNamespace(kv_role=KV_CONSUMER,
                                                              kv_connector_extra_config=extra))
     assert settings_of(cfg, push=push) == AgentSettings(delay_us=expected)
     if expected is None:
         assert any("pull mode only" in r.getMessage() for r in caplog.records)
     bad = SimpleNamespace(kv_transfer_config=SimpleNamespace(
-        kv_role="kv_producer", kv_connector_extra_config={EXTRA_CONFIG_KEY: "fast"}))
+        kv_role=KV_PRODUCER, kv_connector_extra_config={EXTRA_CONFIG_KEY: "fast"}))
     with pytest.raises(ConnectorError, match=EXTRA_CONFIG_KEY):
         settings_of(bad, push=push)
 

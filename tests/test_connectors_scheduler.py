@@ -49,8 +49,9 @@ from kvtune.connectors.observer import Emitter  # noqa: E402
 from kvtune.connectors.scheduler import KvtunePullScheduler, KvtunePushScheduler  # noqa: E402
 from kvtune.errors import ConnectorError  # noqa: E402
 from kvtune.vllm_pd import (  # noqa: E402
-    DO_REMOTE_DECODE, DO_REMOTE_PREFILL, REMOTE_BLOCK_IDS, REMOTE_ENGINE_ID, REMOTE_HOST,
-    REMOTE_NUM_TOKENS, REMOTE_PORT, REMOTE_REQUEST_ID,
+    DO_REMOTE_DECODE, DO_REMOTE_PREFILL, KV_CONSUMER, KV_PRODUCER, KV_TRANSFER_PARAMS,
+    REMOTE_BLOCK_IDS, REMOTE_ENGINE_ID, REMOTE_HOST, REMOTE_NUM_TOKENS, REMOTE_PORT,
+    REMOTE_REQUEST_ID,
 )
 
 BLOCK = 128
@@ -71,16 +72,16 @@ def _kv_cache_config() -> KVCacheConfig:
 
 
 def _request(rid: str, n_tokens: int, params: dict[str, Any] | None) -> Request:
-    extra = {"kv_transfer_params": params} if params is not None else None
+    extra = {KV_TRANSFER_PARAMS: params} if params is not None else None
     return Request(rid, list(range(1, n_tokens + 1)), SamplingParams(max_tokens=1, extra_args=extra),
                    None)
 
 
 def test_queue_span_from_arrival_to_first_look_once_per_request(
         exporter: InMemorySpanExporter) -> None:
-    conn = _scheduler(exporter, "kv_producer")
+    conn = _scheduler(exporter, KV_PRODUCER)
     req = Request("cmpl-q-0-33333333", list(range(1, 41)),
-                  SamplingParams(max_tokens=1, extra_args={"kv_transfer_params":
+                  SamplingParams(max_tokens=1, extra_args={KV_TRANSFER_PARAMS:
                                                            {DO_REMOTE_DECODE: True}}),
                   None, arrival_time=time.time() - 2.5)
     conn.get_num_new_matched_tokens(req, 0)
@@ -135,7 +136,7 @@ def _history(remote_tokens: int) -> dict[str, Any]:
 def test_reuse_decisions_made_on_the_prefill(exporter: InMemorySpanExporter, remote_tokens: int,
                                              local_computed: int,
                                              outcome: spans.ReuseOutcome) -> None:
-    conn = _scheduler(exporter, "kv_producer", bidirectional_kv_xfer=True,
+    conn = _scheduler(exporter, KV_PRODUCER, bidirectional_kv_xfer=True,
                       kv_recompute_threshold=THRESHOLD)
     req = _request("cmpl-turn2-0-99999999", 300, _history(remote_tokens))
     assert conn.get_num_new_matched_tokens(req, local_computed) == (0, False)  # vLLM's answer
@@ -152,7 +153,7 @@ def test_reuse_decisions_made_on_the_prefill(exporter: InMemorySpanExporter, rem
 
 
 def test_first_turn_and_pull_decisions(exporter: InMemorySpanExporter) -> None:
-    conn = _scheduler(exporter, "kv_producer", bidirectional_kv_xfer=True,
+    conn = _scheduler(exporter, KV_PRODUCER, bidirectional_kv_xfer=True,
                       kv_recompute_threshold=THRESHOLD)
     first = _request("cmpl-new-0-11111111", 50, {DO_REMOTE_DECODE: True})
     assert conn.get_num_new_matched_tokens(first, 0) == (0, False)
@@ -176,7 +177,7 @@ def test_first_turn_and_pull_decisions(exporter: InMemorySpanExporter) -> None:
 
 def test_prefill_span_counts_tokens_and_uses_the_request_trace(
         exporter: InMemorySpanExporter) -> None:
-    conn = _scheduler(exporter, "kv_producer")
+    conn = _scheduler(exporter, KV_PRODUCER)
     tp = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
     req = _request("cmpl-p1-0-33333333", 200, {DO_REMOTE_DECODE: True,
                                                spans.KV_PARAMS_TRACEPARENT: tp})
@@ -196,7 +197,7 @@ def test_prefill_span_counts_tokens_and_uses_the_request_trace(
 
 
 def test_aborted_prefill_is_an_error_span(exporter: InMemorySpanExporter) -> None:
-    conn = _scheduler(exporter, "kv_producer")
+    conn = _scheduler(exporter, KV_PRODUCER)
     req = _request("cmpl-ab-0-44444444", 10, {DO_REMOTE_DECODE: True})
     conn.get_num_new_matched_tokens(req, 0)
     conn.update_state_after_alloc(req, _blocks(1), 0)
@@ -206,7 +207,7 @@ def test_aborted_prefill_is_an_error_span(exporter: InMemorySpanExporter) -> Non
 
 
 def test_decode_retains_blocks_and_starts_decoding(exporter: InMemorySpanExporter) -> None:
-    conn = _scheduler(exporter, "kv_consumer", bidirectional_kv_xfer=True,
+    conn = _scheduler(exporter, KV_CONSUMER, bidirectional_kv_xfer=True,
                       decoder_kv_blocks_ttl=TTL_S)
     params = {DO_REMOTE_PREFILL: True, REMOTE_BLOCK_IDS: ([9],), REMOTE_ENGINE_ID: "eng-p",
               REMOTE_REQUEST_ID: "cmpl-d1-0-55555555", REMOTE_HOST: "127.0.0.1",
@@ -243,7 +244,7 @@ def mismatch(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_mismatch_runs_exactly_vllms_classes_with_a_warning(
         mismatch: None, caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level(logging.WARNING, logger="kvtune.connectors"):
-        conn = KvtuneNixlPullConnector(_config("kv_producer"), KVConnectorRole.SCHEDULER,
+        conn = KvtuneNixlPullConnector(_config(KV_PRODUCER), KVConnectorRole.SCHEDULER,
                                        _kv_cache_config())
     assert type(conn.connector_scheduler) is NixlPullConnectorScheduler
     assert "UNINSTRUMENTED" in caplog.text and "NixlPullConnectorWorker._x" in caplog.text
@@ -251,12 +252,12 @@ def test_mismatch_runs_exactly_vllms_classes_with_a_warning(
 
 def test_mismatch_in_strict_mode_refuses(mismatch: None) -> None:
     with pytest.raises(ConnectorError, match="NixlPullConnectorWorker._x"):
-        KvtuneNixlPullConnector(_config("kv_producer", kvtune_strict=True),
+        KvtuneNixlPullConnector(_config(KV_PRODUCER, kvtune_strict=True),
                                 KVConnectorRole.SCHEDULER, _kv_cache_config())
 
 
 def test_push_facade_builds_kvtune_scheduler() -> None:
-    conn = KvtuneNixlPushConnector(_config("kv_consumer", "KvtuneNixlPushConnector"),
+    conn = KvtuneNixlPushConnector(_config(KV_CONSUMER, "KvtuneNixlPushConnector"),
                                    KVConnectorRole.SCHEDULER, _kv_cache_config())
     assert isinstance(conn.connector_scheduler, KvtunePushScheduler)
     assert conn.connector_scheduler._kvt.mode is spans.Mode.PUSH
@@ -273,12 +274,12 @@ def test_spans_name_the_vllm_and_nixl_releases_they_ran_on(
 
     monkeypatch.setattr(telemetry, "_FROM_ENV", {})
     monkeypatch.setenv("KVTUNE_SPANS_DIR", str(tmp_path))
-    conn = KvtuneNixlPullConnector(_config("kv_producer"), KVConnectorRole.SCHEDULER,
+    conn = KvtuneNixlPullConnector(_config(KV_PRODUCER), KVConnectorRole.SCHEDULER,
                                    _kv_cache_config())
     sched = conn.connector_scheduler
     assert sched._kvt.telemetry is not None
     req = Request("cmpl-ver-0-44444444", list(range(1, 9)),
-                  SamplingParams(max_tokens=1, extra_args={"kv_transfer_params":
+                  SamplingParams(max_tokens=1, extra_args={KV_TRANSFER_PARAMS:
                                                            {DO_REMOTE_DECODE: True}}),
                   None, arrival_time=time.time() - 0.5)
     conn.get_num_new_matched_tokens(req, 0)

@@ -15,6 +15,8 @@ from kvtune.export import FILES, NEVER_THRESHOLD_TOKENS, write
 from kvtune.geometry import KvGeometry
 from kvtune.recommend import NEVER, Recommendation, Tuning
 from kvtune.recommend.evidence import ModeEvidence, ThresholdEvidence, TtftMs, TtlEvidence
+from kvtune.vllm_pd import (BIDIRECTIONAL_KV_XFER, KV_CONNECTOR, KV_CONNECTOR_EXTRA_CONFIG,
+                            KV_CONNECTOR_MODULE_PATH, KV_CONSUMER, KV_PRODUCER)
 
 EXPECTED_FILES = [
     "prefill.kv-transfer-config.json", "decode.kv-transfer-config.json",
@@ -66,7 +68,7 @@ def test_files_load_in_vllm_and_router(tmp_path, vllm_parser, mode):
 
     out = write(_tuning(mode), tmp_path / "out", geometry=GEOMETRY, model="Qwen/Qwen3-32B")
     assert sorted(os.listdir(out)) == sorted(EXPECTED_FILES) and list(FILES) == EXPECTED_FILES
-    for role, kv_role in (("prefill", "kv_producer"), ("decode", "kv_consumer")):
+    for role, kv_role in (("prefill", KV_PRODUCER), ("decode", KV_CONSUMER)):
         data = json.loads(_read(out, f"{role}.kv-transfer-config.json"))
         cfg = KVTransferConfig(**data)  # vLLM's own dataclass accepts every key
         assert cfg.kv_role == kv_role
@@ -76,12 +78,12 @@ def test_files_load_in_vllm_and_router(tmp_path, vllm_parser, mode):
         # the keys vLLM's NIXL scheduler reads (base_scheduler.py)
         assert cfg.get_from_extra_config("kv_recompute_threshold", None) == 300
         assert cfg.get_from_extra_config("decoder_kv_blocks_ttl", None) == 120
-        assert cfg.get_from_extra_config("bidirectional_kv_xfer", None) is (mode == "bidirectional")
+        assert cfg.get_from_extra_config(BIDIRECTIONAL_KV_XFER, None) is (mode == "bidirectional")
         args = _read(out, f"{role}.vllm-serve.args").splitlines()
         ns = vllm_parser.parse_args(args)  # SystemExit on any unknown flag
         assert ns.model_tag == "Qwen/Qwen3-32B"
         assert isinstance(ns.kv_transfer_config, KVTransferConfig)
-        assert ns.kv_transfer_config.kv_connector_extra_config == data["kv_connector_extra_config"]
+        assert ns.kv_transfer_config.kv_connector_extra_config == data[KV_CONNECTOR_EXTRA_CONFIG]
         assert ns.block_size == 16 and ns.tensor_parallel_size == 2
         assert ns.port == (8100 if role == "prefill" else 8200)
     router = config_from_dict(yaml.safe_load(_read(out, "router.yaml")), source="router.yaml")
@@ -119,9 +121,9 @@ def test_recommendation_json_contents(tmp_path):
 
 def test_never_threshold_writes_always_recompute(tmp_path):
     out = write(_tuning(mode="pull", threshold=NEVER, ttl=0), tmp_path / "out", model="m")
-    extra = json.loads(_read(out, "decode.kv-transfer-config.json"))["kv_connector_extra_config"]
+    extra = json.loads(_read(out, "decode.kv-transfer-config.json"))[KV_CONNECTOR_EXTRA_CONFIG]
     assert extra["kv_recompute_threshold"] == NEVER_THRESHOLD_TOKENS
-    assert extra["bidirectional_kv_xfer"] is False
+    assert extra[BIDIRECTIONAL_KV_XFER] is False
     assert "decoder_kv_blocks_ttl" not in extra  # 0 would also be push's registration timeout
     router = yaml.safe_load(_read(out, "router.yaml"))
     assert router["mode"] == "pull" and "decoder_ttl_s" not in router
@@ -131,7 +133,7 @@ def test_never_threshold_writes_always_recompute(tmp_path):
 def test_vllm_connector_family(tmp_path):
     out = write(_tuning(mode="push"), tmp_path / "out", model="m", connector="vllm")
     data = json.loads(_read(out, "prefill.kv-transfer-config.json"))
-    assert data["kv_connector"] == "NixlPushConnector" and "kv_connector_module_path" not in data
+    assert data[KV_CONNECTOR] == "NixlPushConnector" and KV_CONNECTOR_MODULE_PATH not in data
 
 
 def test_nothing_written_half_way(tmp_path):

@@ -12,6 +12,7 @@ import pytest
 from kvtune.local.fabric import FabricError, FabricSpec, ShapedLink, parse_fabric
 from kvtune.local.pair import LocalPair
 from kvtune.testing.reference import STANDARD_MAX_TOKENS, standard_prompts
+from kvtune.vllm_pd import REMOTE_HOST
 
 
 @pytest.mark.parametrize("spec, rate", [("loopback", None), ("LOOPBACK", None),
@@ -87,7 +88,7 @@ def test_pull_pair_moves_kv_across_the_shaped_link(tmp_path, model_dir, referenc
             result = pair.complete(prompt, STANDARD_MAX_TOKENS)
             moved = _tx_bytes(link) - before
             assert result.token_ids == reference.outputs[1]
-            assert result.kv_transfer_params["remote_host"] == link.prefill_ip
+            assert result.kv_transfer_params[REMOTE_HOST] == link.prefill_ip
             kv_bytes = len(prompt) * 1024 // 2  # at least half the tiny model's 1 KiB per token
             assert moved >= kv_bytes, (moved, kv_bytes)
 

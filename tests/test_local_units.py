@@ -53,28 +53,28 @@ def test_kv_transfer_config_per_mode_and_connector(tmp_path, mode, connector):
     the same NIXL agent setting as kvtune's (pull: a sleeping progress thread)."""
     kwargs = {"ttl_s": 30, "recompute_threshold": 8} if mode == "bidirectional" else {}
     pair = LocalPair(mode, connector=connector, workdir=tmp_path, layout="pinned",
-                     kv_extra_config={"num_threads": 2}, **kwargs)
+                     kv_extra_config={pd.NUM_THREADS: 2}, **kwargs)
     assert pair.layout is PINNED
     p, d = pair.kv_transfer_config("prefill"), pair.kv_transfer_config("decode")
     plain = connector == "vllm" and mode == "pull"
     expected = pd.CONNECTOR_CLASSES[("plain" if plain else connector, mode)]
-    assert p["kv_connector"] == d["kv_connector"] == expected
+    assert p[pd.KV_CONNECTOR] == d[pd.KV_CONNECTOR] == expected
     if connector == "kvtune":
-        assert p["kv_connector_module_path"] == d["kv_connector_module_path"] \
+        assert p[pd.KV_CONNECTOR_MODULE_PATH] == d[pd.KV_CONNECTOR_MODULE_PATH] \
             == pd.KVTUNE_CONNECTOR_MODULE
-        assert p["kv_connector"].startswith("KvtuneNixl")
+        assert p[pd.KV_CONNECTOR].startswith("KvtuneNixl")
     elif plain:
-        assert p["kv_connector_module_path"] == d["kv_connector_module_path"] \
+        assert p[pd.KV_CONNECTOR_MODULE_PATH] == d[pd.KV_CONNECTOR_MODULE_PATH] \
             == pd.PLAIN_CONNECTOR_MODULE
     else:
-        assert "kv_connector_module_path" not in p
-    assert (p["kv_role"], d["kv_role"]) == ("kv_producer", "kv_consumer")
+        assert pd.KV_CONNECTOR_MODULE_PATH not in p
+    assert (p[pd.KV_ROLE], d[pd.KV_ROLE]) == (pd.KV_PRODUCER, pd.KV_CONSUMER)
     assert p["kv_buffer_device"] == d["kv_buffer_device"] == "cpu"
     assert p["engine_id"] == pair.prefill_engine_id != d["engine_id"] == pair.decode_engine_id
     for cfg in (p, d):
-        extra = cfg["kv_connector_extra_config"]
+        extra = cfg[pd.KV_CONNECTOR_EXTRA_CONFIG]
         assert extra[pd.KV_LEASE_DURATION] == KV_LEASE_DURATION_S
-        assert extra["num_threads"] == 2
+        assert extra[pd.NUM_THREADS] == 2
         assert THREAD_KEY not in extra and IDLE_WAIT_KEY not in extra
         if mode == "bidirectional":
             assert extra[pd.BIDIRECTIONAL_KV_XFER] is True
@@ -84,8 +84,8 @@ def test_kv_transfer_config_per_mode_and_connector(tmp_path, mode, connector):
             assert pd.BIDIRECTIONAL_KV_XFER not in extra
     # NIXL's progress thread sleeps in pull mode only (push and bidirectional transfers were
     # measured to hang with it), for both connectors.
-    delay_p = p["kv_connector_extra_config"].get(PROGRESS_KEY)
-    delay_d = d["kv_connector_extra_config"].get(PROGRESS_KEY)
+    delay_p = p[pd.KV_CONNECTOR_EXTRA_CONFIG].get(PROGRESS_KEY)
+    delay_d = d[pd.KV_CONNECTOR_EXTRA_CONFIG].get(PROGRESS_KEY)
     if mode == "pull":
         assert delay_p == delay_d == RECOMMENDED_DELAY_US
     else:
@@ -105,13 +105,13 @@ def test_quiet_layout_config(tmp_path, mode, connector):
     assert LocalPair(mode, connector=connector, workdir=tmp_path, layout="quiet").layout is QUIET
     for role in ("prefill", "decode"):
         cfg = pair.kv_transfer_config(role)
-        extra = cfg["kv_connector_extra_config"]
-        assert extra[THREAD_KEY] is False and extra["num_threads"] == 0
+        extra = cfg[pd.KV_CONNECTOR_EXTRA_CONFIG]
+        assert extra[THREAD_KEY] is False and extra[pd.NUM_THREADS] == 0
         assert extra[IDLE_WAIT_KEY] == QUIET.idle_wait_ms
         assert PROGRESS_KEY not in extra
         if connector == "vllm":
-            assert cfg["kv_connector"] == pd.CONNECTOR_CLASSES[("plain", mode)]
-            assert cfg["kv_connector_module_path"] == pd.PLAIN_CONNECTOR_MODULE
+            assert cfg[pd.KV_CONNECTOR] == pd.CONNECTOR_CLASSES[("plain", mode)]
+            assert cfg[pd.KV_CONNECTOR_MODULE_PATH] == pd.PLAIN_CONNECTOR_MODULE
     assert QUIET.env(1) == {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1",
                             "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in PINNED.env(1)
@@ -131,11 +131,11 @@ def test_plain_connector_names_exist_in_their_module():
 def test_progress_delay_can_be_turned_off_or_overridden(tmp_path):
     spinning = dataclasses.replace(PINNED, name="spinning", pull_progress_delay_us=None)
     off = LocalPair("pull", workdir=tmp_path, layout=spinning)
-    assert PROGRESS_KEY not in off.kv_transfer_config("decode")["kv_connector_extra_config"]
+    assert PROGRESS_KEY not in off.kv_transfer_config("decode")[pd.KV_CONNECTOR_EXTRA_CONFIG]
     per_role = LocalPair("push", workdir=tmp_path, layout=PINNED,
                          role_kv_extra_config={"decode": {PROGRESS_KEY: 5000}})
-    assert per_role.kv_transfer_config("decode")["kv_connector_extra_config"][PROGRESS_KEY] == 5000
-    assert PROGRESS_KEY not in per_role.kv_transfer_config("prefill")["kv_connector_extra_config"]
+    assert per_role.kv_transfer_config("decode")[pd.KV_CONNECTOR_EXTRA_CONFIG][PROGRESS_KEY] == 5000
+    assert PROGRESS_KEY not in per_role.kv_transfer_config("prefill")[pd.KV_CONNECTOR_EXTRA_CONFIG]
     with pytest.raises(LocalPairError, match="role_kv_extra_config"):
         LocalPair("pull", workdir=tmp_path, role_kv_extra_config={"router": {}})
 
@@ -310,7 +310,7 @@ class StandInCompletions(BaseHTTPRequestHandler):
         out = list(body["prompt"][: body["max_tokens"]])
         if not body.get("stream"):
             data = {"choices": [{"text": "x" * len(out), "token_ids": out}],
-                    "kv_transfer_params": {REMOTE_BLOCK_IDS: [[1]]}}
+                    pd.KV_TRANSFER_PARAMS: {REMOTE_BLOCK_IDS: [[1]]}}
             raw = json.dumps(data).encode()
             self.send_response(200)
             self.send_header("Content-Length", str(len(raw)))

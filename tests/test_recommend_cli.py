@@ -9,6 +9,7 @@ import pytest
 from kvtune import spans as sc
 from kvtune.cli import main
 from kvtune.testing import synthetic as syn
+from kvtune.vllm_pd import KV_CONNECTOR
 
 MODULES = (("analyze", "kvtune.analysis.cli"), ("recommend", "kvtune.recommend.cli"))
 
@@ -46,7 +47,7 @@ def test_recommend_writes_the_files(trace, tmp_path, capsys):
     assert rec["trace_source"].endswith("spans.jsonl") and rec["span_count"] > 0
     assert rec["fit"]["source"].endswith("spans.jsonl")
     kv = json.loads((out / "decode.kv-transfer-config.json").read_text())
-    assert kv["kv_connector"] in ("NixlConnector", "NixlPushConnector")
+    assert kv[KV_CONNECTOR] in ("NixlConnector", "NixlPushConnector")
     assert "http://10.0.0.2:8200" in (out / "router.yaml").read_text()
     # a second run refuses to overwrite without --force
     rc = main(["recommend", str(trace), "--out", str(out)], MODULES)

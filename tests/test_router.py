@@ -16,21 +16,19 @@ from kvtune.router.client import get, post
 from kvtune.router.server import FAILED_INSTANCE_HEADER, FAILED_LEG_HEADER
 from kvtune.testing.standin import StandInVllmCluster
 from kvtune.vllm_pd import (
-    DO_REMOTE_DECODE, DO_REMOTE_PREFILL, PP_SIZE, REMOTE_BLOCK_IDS, REMOTE_ENGINE_ID,
-    REMOTE_HOST, REMOTE_NUM_TOKENS, REMOTE_PORT, REMOTE_REQUEST_ID, TP_SIZE,
+    CONTEXT_KEYS, DO_REMOTE_DECODE, DO_REMOTE_PREFILL, KV_TRANSFER_PARAMS, MODES, PP_SIZE,
+    REMOTE_BLOCK_IDS, REMOTE_ENGINE_ID, REMOTE_HOST, REMOTE_NUM_TOKENS, REMOTE_PORT,
+    REMOTE_REQUEST_ID, TP_SIZE,
 )
 from _net import free_port
 
 
 pytestmark = pytest.mark.timeout(180)
 
-KVTUNE_KEYS = (spans.KV_PARAMS_TRACEPARENT, spans.KV_PARAMS_CONVERSATION_ID, spans.KV_PARAMS_TURN)
-MODES = ("pull", "push", "bidirectional")
-
 
 def _plain(params):
     """kv_transfer_params without the keys the router adds."""
-    return {k: v for k, v in params.items() if k not in KVTUNE_KEYS}
+    return {k: v for k, v in params.items() if k not in CONTEXT_KEYS}
 
 
 def _completion(prompt, *, conv=None, stream=False, max_tokens=3):
@@ -68,7 +66,7 @@ def test_modes_end_to_end(mode, stream, tmp_path, tracer, exporter):
     for turn, (p, d, span) in enumerate(zip(prefill, decode, request_spans), start=1):
         # Prefill leg: one token, no stream, do_remote_decode; conversation_id stripped.
         assert p.body["max_tokens"] == 1 and p.body["stream"] is False
-        assert p.body["kv_transfer_params"][DO_REMOTE_DECODE] is True
+        assert p.body[KV_TRANSFER_PARAMS][DO_REMOTE_DECODE] is True
         assert "conversation_id" not in p.body and "conversation_id" not in d.body
         assert d.body["stream"] is stream and d.body["max_tokens"] == 3
         # One request id and one traceparent on both legs, as header and inside kv_transfer_params.
@@ -76,11 +74,11 @@ def test_modes_end_to_end(mode, stream, tmp_path, tracer, exporter):
         assert d.headers["X-Request-Id"] == rid
         tp = p.headers["traceparent"]
         assert d.headers["traceparent"] == tp
-        assert p.body["kv_transfer_params"][spans.KV_PARAMS_TRACEPARENT] == tp
-        assert d.body["kv_transfer_params"][spans.KV_PARAMS_TRACEPARENT] == tp
+        assert p.body[KV_TRANSFER_PARAMS][spans.KV_PARAMS_TRACEPARENT] == tp
+        assert d.body[KV_TRANSFER_PARAMS][spans.KV_PARAMS_TRACEPARENT] == tp
         for leg in (p, d):
-            assert leg.body["kv_transfer_params"][spans.KV_PARAMS_CONVERSATION_ID] == "conv-A"
-            assert leg.body["kv_transfer_params"][spans.KV_PARAMS_TURN] == turn
+            assert leg.body[KV_TRANSFER_PARAMS][spans.KV_PARAMS_CONVERSATION_ID] == "conv-A"
+            assert leg.body[KV_TRANSFER_PARAMS][spans.KV_PARAMS_TURN] == turn
         # The trace the legs carry is the kv.request root span's.
         ctx = span.get_span_context()
         assert tp.split("-")[1:3] == [f"{ctx.trace_id:032x}", f"{ctx.span_id:016x}"]
@@ -96,7 +94,7 @@ def test_modes_end_to_end(mode, stream, tmp_path, tracer, exporter):
         assert attrs[spans.TTFT_MS] > 0 and attrs[spans.BASE_REQUEST_ID] == rid
         assert span.status.status_code != StatusCode.ERROR
         if mode == "push":
-            kv = d.body["kv_transfer_params"]
+            kv = d.body[KV_TRANSFER_PARAMS]
             assert kv[DO_REMOTE_PREFILL] is True
             assert kv[REMOTE_ENGINE_ID] == cluster.prefill[0].engine_id
             assert kv[REMOTE_PORT] == cluster.prefill[0].kv_port
@@ -104,17 +102,17 @@ def test_modes_end_to_end(mode, stream, tmp_path, tracer, exporter):
             assert (kv[TP_SIZE], kv[PP_SIZE]) == (1, 1)
             assert kv[REMOTE_REQUEST_ID] == rid
         else:  # pull and bidirectional: the decode gets exactly what the prefill returned
-            assert _plain(d.body["kv_transfer_params"]) == p.returned_kv_params
+            assert _plain(d.body[KV_TRANSFER_PARAMS]) == p.returned_kv_params
     if mode == "bidirectional" and not stream:
         # Turn 2's prefill carries what the decode returned at the end of turn 1.
-        assert _plain(prefill[1].body["kv_transfer_params"]) == {
+        assert _plain(prefill[1].body[KV_TRANSFER_PARAMS]) == {
             **decode[0].returned_kv_params, DO_REMOTE_DECODE: True}
         assert prefill[1].pulled_tokens > 0
         assert request_spans[1].attributes[spans.REUSE_REMOTE_TOKENS] == \
             decode[0].returned_kv_params[REMOTE_NUM_TOKENS]
     else:
         # vLLM returns no kv_transfer_params in a stream: nothing to carry into turn 2.
-        assert REMOTE_BLOCK_IDS not in prefill[1].body["kv_transfer_params"]
+        assert REMOTE_BLOCK_IDS not in prefill[1].body[KV_TRANSFER_PARAMS]
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
@@ -142,9 +140,9 @@ def test_conversation_header_counts_turns(tmp_path):
             assert post(router.url + "/v1/completions", _completion("a b c"),
                         headers={spans.CONVERSATION_HEADER: "hdr-conv"}).status == 200
         assert post(router.url + "/v1/completions", _completion("a b c")).status == 200
-        turns = [r.body["kv_transfer_params"].get(spans.KV_PARAMS_TURN)
+        turns = [r.body[KV_TRANSFER_PARAMS].get(spans.KV_PARAMS_TURN)
                  for r in cluster.requests("prefill")]
-        convs = [r.body["kv_transfer_params"].get(spans.KV_PARAMS_CONVERSATION_ID)
+        convs = [r.body[KV_TRANSFER_PARAMS].get(spans.KV_PARAMS_CONVERSATION_ID)
                  for r in cluster.requests("prefill")]
     assert turns == [1, 2, 3, None]
     assert convs == ["hdr-conv"] * 3 + [None]
@@ -166,7 +164,7 @@ def test_restart_after_sigkill_keeps_decode_params(tmp_path):
         turn1_decode = cluster.requests("decode")[0]
         turn2_prefill = cluster.requests("prefill")[1]
     assert answer.status == 200, answer.body
-    sent = turn2_prefill.body["kv_transfer_params"]
+    sent = turn2_prefill.body[KV_TRANSFER_PARAMS]
     assert _plain(sent) == {**turn1_decode.returned_kv_params, DO_REMOTE_DECODE: True}
     assert sent[spans.KV_PARAMS_TURN] == 2
     assert turn2_prefill.pulled_tokens == len("one two three w0 w1 w2".split())
@@ -184,12 +182,12 @@ def test_expired_params_are_not_sent(tmp_path):
         # Control: a turn right after the previous one does carry its params.
         assert post(url, _completion("a b c d e f g h", conv="x")).status == 200
         prefill, decode = cluster.requests("prefill"), cluster.requests("decode")
-    assert REMOTE_BLOCK_IDS not in prefill[1].body["kv_transfer_params"]
-    assert prefill[1].body["kv_transfer_params"][spans.KV_PARAMS_TURN] == 2
+    assert REMOTE_BLOCK_IDS not in prefill[1].body[KV_TRANSFER_PARAMS]
+    assert prefill[1].body[KV_TRANSFER_PARAMS][spans.KV_PARAMS_TURN] == 2
     # If the control turn ran slower than 1 s on a loaded machine its params expired too;
     # only assert the positive case when they could still be valid.
-    if REMOTE_BLOCK_IDS in prefill[2].body["kv_transfer_params"]:
-        assert _plain(prefill[2].body["kv_transfer_params"]) == {
+    if REMOTE_BLOCK_IDS in prefill[2].body[KV_TRANSFER_PARAMS]:
+        assert _plain(prefill[2].body[KV_TRANSFER_PARAMS]) == {
             **decode[1].returned_kv_params, DO_REMOTE_DECODE: True}
 
 
@@ -217,11 +215,11 @@ def test_concurrent_conversations_keep_their_own_state(tmp_path, tracer, exporte
     # What each decode returned, by (conversation, turn).
     returned = {}
     for d in decode:
-        kv = d.body["kv_transfer_params"]
+        kv = d.body[KV_TRANSFER_PARAMS]
         returned[(kv[spans.KV_PARAMS_CONVERSATION_ID], kv[spans.KV_PARAMS_TURN])] = d.returned_kv_params
     assert len(returned) == n_conv * n_turns
     for p in prefill:
-        kv = p.body["kv_transfer_params"]
+        kv = p.body[KV_TRANSFER_PARAMS]
         conv, turn = kv[spans.KV_PARAMS_CONVERSATION_ID], kv[spans.KV_PARAMS_TURN]
         assert p.body["prompt"].startswith(conv.replace("-", "") + " ")  # turn label on its own prompt
         assert p.body["prompt"].endswith(f"t{turn}")
@@ -391,15 +389,15 @@ def test_stand_in_refuses_protocol_mistakes():
     with StandInVllmCluster(1, 1, bidirectional=True) as cluster:
         p, d = cluster.prefill[0].url, cluster.decode[0].url
         assert post(p + "/v1/completions", _completion("a")).status == 400  # no kv params
-        assert post(d + "/v1/completions", {**_completion("a"), "kv_transfer_params": {
+        assert post(d + "/v1/completions", {**_completion("a"), KV_TRANSFER_PARAMS: {
             DO_REMOTE_PREFILL: True, REMOTE_BLOCK_IDS: [[999]],
             REMOTE_REQUEST_ID: "nope"}}).status == 400  # blocks never issued
         ok = post(p + "/v1/completions", {**_completion("a", max_tokens=1),
-                                         "kv_transfer_params": {DO_REMOTE_DECODE: True}})
-        params = ok.json()["kv_transfer_params"]
-        assert post(d + "/v1/completions", {**_completion("a"), "kv_transfer_params": params}).status == 200
+                                         KV_TRANSFER_PARAMS: {DO_REMOTE_DECODE: True}})
+        params = ok.json()[KV_TRANSFER_PARAMS]
+        assert post(d + "/v1/completions", {**_completion("a"), KV_TRANSFER_PARAMS: params}).status == 200
         # Read once: a second decode with the same blocks is refused.
-        assert post(d + "/v1/completions", {**_completion("a"), "kv_transfer_params": params}).status == 400
+        assert post(d + "/v1/completions", {**_completion("a"), KV_TRANSFER_PARAMS: params}).status == 400
 
 
 def test_client_disconnect_releases_upstream(tmp_path):

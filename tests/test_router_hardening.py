@@ -16,7 +16,7 @@ from kvtune.router.client import get, post
 from kvtune.router.parsing import MAX_JSON_DEPTH
 from kvtune.router.server import UPSTREAM_REQUEST_ID_HEADER
 from kvtune.router.state import MAX_CONVERSATION_ID_BYTES
-from kvtune.vllm_pd import REMOTE_BLOCK_IDS, REMOTE_REQUEST_ID
+from kvtune.vllm_pd import KV_TRANSFER_PARAMS, REMOTE_BLOCK_IDS, REMOTE_REQUEST_ID
 from kvtune.testing.standin import StandInVllmCluster
 
 pytestmark = pytest.mark.timeout(180)
@@ -61,7 +61,7 @@ def test_20_concurrent_requests_sharing_one_x_request_id(mode, tmp_path, tracer,
     assert {p.headers["X-Request-Id"] for p in prefill} == ours
     assert {d.headers["X-Request-Id"] for d in decode} == ours
     if mode == "push":
-        assert {d.body["kv_transfer_params"][REMOTE_REQUEST_ID] for d in decode} == ours
+        assert {d.body[KV_TRANSFER_PARAMS][REMOTE_REQUEST_ID] for d in decode} == ours
     request_spans = [s for s in exporter.get_finished_spans()
                      if s.name == spans.SpanName.REQUEST.value]
     assert {s.attributes[spans.BASE_REQUEST_ID] for s in request_spans} == ours
@@ -242,7 +242,7 @@ def test_store_failure_serves_the_turn_without_history(tmp_path, tracer, exporte
         if not stopped:
             ctx.__exit__(None, None, None)
     assert first.status == 200 and second.status == 200, second.body
-    assert REMOTE_BLOCK_IDS not in prefill[1].body["kv_transfer_params"]
+    assert REMOTE_BLOCK_IDS not in prefill[1].body[KV_TRANSFER_PARAMS]
     assert health["state_errors_total"] >= 1
     request_spans = sorted((s for s in exporter.get_finished_spans()
                             if s.name == spans.SpanName.REQUEST.value), key=lambda s: s.start_time)

@@ -12,7 +12,8 @@ from kvtune.errors import RouterError
 from kvtune.router.state import (ConversationStore, RedisConversationStore, SqliteConversationStore,
                                  open_store)
 from kvtune.vllm_pd import (
-    DO_REMOTE_DECODE, REMOTE_BLOCK_IDS, REMOTE_ENGINE_ID, REMOTE_NUM_TOKENS, REMOTE_REQUEST_ID,
+    DO_REMOTE_DECODE, KV_TRANSFER_PARAMS, REMOTE_BLOCK_IDS, REMOTE_ENGINE_ID, REMOTE_NUM_TOKENS,
+    REMOTE_REQUEST_ID,
 )
 from _net import free_port
 
@@ -167,6 +168,6 @@ def test_router_with_redis_state_carries_params_across_restart(redis_url, tmp_pa
         with RouterProcess(config, workdir=tmp_path / "r2") as second:
             assert post(second.url + "/v1/completions", {**body, "prompt": "a b c w0 d"}).status == 200
         returned = cluster.requests("decode")[0].returned_kv_params
-        sent = cluster.requests("prefill")[1].body["kv_transfer_params"]
+        sent = cluster.requests("prefill")[1].body[KV_TRANSFER_PARAMS]
     assert sent[REMOTE_BLOCK_IDS] == returned[REMOTE_BLOCK_IDS]
     assert cluster.prefill[0].received[1].pulled_tokens == 5  # min(3 + 2 held, 5 in prompt)

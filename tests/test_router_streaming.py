@@ -13,16 +13,16 @@ from kvtune.router import RouterInThread
 from kvtune.router.client import get, parse_sse, post
 from kvtune.router.server import UPSTREAM_REQUEST_ID_HEADER
 from kvtune.testing.standin import StandInVllmCluster
-from kvtune.vllm_pd import DO_REMOTE_DECODE, REMOTE_BLOCK_IDS, REMOTE_NUM_TOKENS
+from kvtune.vllm_pd import (CONTEXT_KEYS, DO_REMOTE_DECODE, KV_TRANSFER_PARAMS, REMOTE_BLOCK_IDS,
+                             REMOTE_NUM_TOKENS)
 
 pytestmark = pytest.mark.timeout(180)
 
-KVTUNE_KEYS = (spans.KV_PARAMS_TRACEPARENT, spans.KV_PARAMS_CONVERSATION_ID, spans.KV_PARAMS_TURN)
 TURNS = 4
 
 
 def _plain(params):
-    return {k: v for k, v in params.items() if k not in KVTUNE_KEYS}
+    return {k: v for k, v in params.items() if k not in CONTEXT_KEYS}
 
 
 def _turn_body(endpoint: str, history: str, conv: str) -> dict:
@@ -61,12 +61,12 @@ def test_streamed_bidirectional_conversation_carries_history_with_033_sse(
     for a in answers:
         assert a.body == sent[a.headers[UPSTREAM_REQUEST_ID_HEADER]]
         events = parse_sse(a.body)
-        finals = [e for e in events if e.get("kv_transfer_params")]
+        finals = [e for e in events if e.get(KV_TRANSFER_PARAMS)]
         assert len(finals) == 1 and finals[0]["choices"][0]["finish_reason"] == "length"
     # Turn 1 has no history; turns 2-4 hold the previous turn's decode params.
-    assert REMOTE_BLOCK_IDS not in prefill[0].body["kv_transfer_params"]
+    assert REMOTE_BLOCK_IDS not in prefill[0].body[KV_TRANSFER_PARAMS]
     for t in range(1, TURNS):
-        assert _plain(prefill[t].body["kv_transfer_params"]) == {
+        assert _plain(prefill[t].body[KV_TRANSFER_PARAMS]) == {
             **decode[t - 1].returned_kv_params, DO_REMOTE_DECODE: True}
         assert prefill[t].pulled_tokens > 0
         assert prefill[t].status == 200
@@ -94,7 +94,7 @@ def test_streamed_turns_without_params_are_reported_once_per_conversation(tmp_pa
     assert all(a.status == 200 for a in a1 + a2)
     for a in a1 + a2:  # relayed unchanged here too
         assert a.body == sent[a.headers[UPSTREAM_REQUEST_ID_HEADER]]
-    assert all(REMOTE_BLOCK_IDS not in p.body["kv_transfer_params"] for p in prefill)
+    assert all(REMOTE_BLOCK_IDS not in p.body[KV_TRANSFER_PARAMS] for p in prefill)
     streams = health["streamed_bidirectional"]
     assert streams["turns_with_kv_transfer_params"] == 0
     assert streams["turns_without_kv_transfer_params"] == 5
@@ -114,7 +114,7 @@ def test_non_streamed_turns_are_not_counted_as_streams(tmp_path):
         assert post(router.url + "/v1/completions", {**body, "prompt": "a b w0 w1 c"}).status == 200
         health = get(router.url + "/health").json()
         prefill = cluster.requests("prefill")
-    assert REMOTE_BLOCK_IDS in prefill[1].body["kv_transfer_params"]
+    assert REMOTE_BLOCK_IDS in prefill[1].body[KV_TRANSFER_PARAMS]
     assert health["streamed_bidirectional"] == {"turns_with_kv_transfer_params": 0,
                                                 "turns_without_kv_transfer_params": 0}
 
@@ -126,7 +126,7 @@ def test_sse_watcher_bounds_its_buffer_and_finds_params_after_a_huge_line():
     for i in range(0, len(huge), 1 << 20):  # 1 MiB chunks, no newline for over 16 MiB
         w.feed(huge[i:i + (1 << 20)])
         assert len(w._buf) <= SSE_MAX_LINE_BYTES + (1 << 20)
-    event = {"choices": [{"text": "t"}], "kv_transfer_params": {REMOTE_BLOCK_IDS: [[1]]}}
+    event = {"choices": [{"text": "t"}], KV_TRANSFER_PARAMS: {REMOTE_BLOCK_IDS: [[1]]}}
     final = b"\n\ndata: " + json.dumps(event).encode() + b"\n"
     for byte in final:  # and split anywhere
         w.feed(bytes([byte]))

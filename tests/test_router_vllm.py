@@ -9,7 +9,7 @@ import pytest
 from kvtune import spans
 from kvtune.router import InstanceConfig, RouterConfig, RouterInThread
 from kvtune.router.client import post
-from kvtune.vllm_pd import REMOTE_BLOCK_IDS
+from kvtune.vllm_pd import KV_TRANSFER_PARAMS, REMOTE_BLOCK_IDS
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
@@ -46,7 +46,7 @@ def test_router_bidirectional_against_real_cpu_pair(tmp_path):
             answer1 = turn1.json()
             out_ids = answer1["choices"][0]["token_ids"]
             # The decode returned its retained blocks; the router keeps them for turn 2.
-            assert answer1["kv_transfer_params"][REMOTE_BLOCK_IDS]
+            assert answer1[KV_TRANSFER_PARAMS][REMOTE_BLOCK_IDS]
             prompt2 = PROMPT_1 + list(out_ids) + [(11 * i + 5) % 1900 + 50 for i in range(40)]
             p1 = prompt_token_sources(pair.prefill_url)
             turn2 = post(url, body(prompt2, "real-conv"), timeout_s=600)

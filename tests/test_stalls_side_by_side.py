@@ -17,11 +17,11 @@ from kvtune.analysis import transfers
 from kvtune.analysis.stalls import stall_diagnosis
 from kvtune.connectors.progress import NO_THREAD_SPAN_VALUE, RECOMMENDED_DELAY_US
 from kvtune.traces import load
+from kvtune.vllm_pd import MODES
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "stalls-side-by-side"
 SUMMARY = json.loads((EXAMPLE / "summary.json").read_text())
 ROWS = {(r["layout"], r["mode"], r["connector"], r["hogs"]): r for r in SUMMARY}
-MODES = ("pull", "push", "bidirectional")
 
 
 def test_every_compared_run_has_both_connectors_on_the_same_requests() -> None:

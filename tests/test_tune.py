@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -11,11 +12,28 @@ import nbformat
 import pytest
 
 from kvtune.errors import ConfigError
+from kvtune.nb import PLOTLY_MIME
 from kvtune.tune import params as P
 from kvtune.tune.notebooks import NOTEBOOKS_DIR, TUNE_NOTEBOOKS, NotebookFailed
 from kvtune.tune.run import run_tune
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def _kernels_of_this_process() -> list[int]:
+    """Pids of the IPython kernels this test process started that still exist (zombies too)."""
+    found = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            cmd = (d / "cmdline").read_bytes()
+        except (OSError, IndexError, ValueError):
+            continue
+        if ppid == os.getpid() and b"ipykernel" in cmd:
+            found.append(int(d.name))
+    return found
 
 
 @pytest.fixture(scope="module")
@@ -78,6 +96,20 @@ def test_report_embeds_every_figure_and_plotly_once(tuned):
     assert "cdn.plot.ly" not in html.split("<body>")[1]  # readable offline
 
 
+def test_each_figure_is_displayed_once_and_no_kernel_is_left(tuned):
+    saved: dict[str, int] = {}
+    for f in (tuned.out_dir / "figures").glob("*.json"):
+        saved[f.name.split("--")[0]] = saved.get(f.name.split("--")[0], 0) + 1
+    shown = {name: sum(PLOTLY_MIME in (o.get("data") or {})
+                       for c in nbformat.read(str(path), as_version=4).cells
+                       for o in c.get("outputs", []))
+             for name, path in tuned.notebooks.items()}
+    assert shown == {name: saved.get(name, 0) for name in tuned.notebooks}
+    assert sum(shown.values()) >= 8
+    if Path("/proc/self/stat").exists():
+        assert _kernels_of_this_process() == []
+
+
 def test_hbm_budget_parameter_reaches_the_notebooks(tuned):
     rec = json.loads(tuned.recommendation_json.read_text())
     assert rec["recommendations"]["decoder_kv_blocks_ttl"]["evidence"]["hbm_budget_gb"] == 2.0
@@ -102,9 +134,12 @@ def test_failed_cell_leaves_the_executed_notebook_and_names_the_cell(spans_file,
     nb = nbformat.read(str(NOTEBOOKS_DIR / "fabric_floor.ipynb"), as_version=4)
     nb.cells.append(nbformat.v4.new_code_cell("raise RuntimeError('boom from a cell')"))
     nbformat.write(nb, str(nbdir / "fabric_floor.ipynb"))
+    shutil.copy(NOTEBOOKS_DIR / "stalls.ipynb", nbdir / "stalls.ipynb")
     with pytest.raises(NotebookFailed) as err:
-        run_tune(str(spans_file), tmp_path / "out", notebooks=["fabric_floor"],
+        run_tune(str(spans_file), tmp_path / "out", notebooks=["fabric_floor", "stalls"],
                  notebooks_dir=nbdir, progress=False)
+    if Path("/proc/self/stat").exists():  # stalls' kernel, started ahead, was stopped too
+        assert _kernels_of_this_process() == []
     msg = str(err.value)
     assert "fabric_floor" in msg and "raise RuntimeError('boom from a cell')" in msg
     assert "RuntimeError: boom" in msg and str(err.value.output) in msg

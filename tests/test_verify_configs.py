@@ -10,6 +10,8 @@ from kvtune.export.files import NEVER_THRESHOLD_TOKENS
 from kvtune.local.workload import WorkloadConfig, generate
 from kvtune.verify import configs as C
 from kvtune.verify import workload_file as W
+from kvtune.vllm_pd import (BIDIRECTIONAL_KV_XFER, KV_CONNECTOR, KV_CONNECTOR_EXTRA_CONFIG,
+                            KV_PRODUCER, KV_ROLE)
 
 
 def _rec(mode="bidirectional", threshold=55, ttl=22):
@@ -26,7 +28,7 @@ def test_builtin_defaults():
         "defaults", "pull", None, None)
     b = C.load_config("base=defaults:bidirectional")
     assert (b.name, b.mode) == ("base", "bidirectional")
-    assert b.kv_extra_config() == {"bidirectional_kv_xfer": True}
+    assert b.kv_extra_config() == {BIDIRECTIONAL_KV_XFER: True}
 
 
 def test_tune_dir_recommendation_json_and_never(tmp_path):
@@ -51,14 +53,14 @@ def test_pull_recommendation_drops_threshold_and_ttl(tmp_path):
 
 def test_kv_transfer_config_file(tmp_path):
     p = tmp_path / "prefill.kv-transfer-config.json"
-    p.write_text(json.dumps({"kv_connector": "KvtuneNixlPullConnector", "kv_role": "kv_producer",
-                             "kv_connector_extra_config": {"kv_recompute_threshold": 300,
-                                                           "bidirectional_kv_xfer": True,
-                                                           "decoder_kv_blocks_ttl": 60}}))
+    p.write_text(json.dumps({KV_CONNECTOR: "KvtuneNixlPullConnector", KV_ROLE: KV_PRODUCER,
+                             KV_CONNECTOR_EXTRA_CONFIG: {"kv_recompute_threshold": 300,
+                                                         BIDIRECTIONAL_KV_XFER: True,
+                                                         "decoder_kv_blocks_ttl": 60}}))
     r = C.load_config(str(p))
     assert (r.name, r.mode, r.recompute_threshold_tokens, r.ttl_s) == ("prefill", "bidirectional",
                                                                         300, 60.0)
-    p.write_text(json.dumps({"kv_connector": "NixlPushConnector"}))
+    p.write_text(json.dumps({KV_CONNECTOR: "NixlPushConnector"}))
     assert C.load_config(str(p)).mode == "push"
 
 

@@ -12,6 +12,7 @@ from kvtune.verify import results
 from kvtune.verify.backends import ClusterBackend
 from kvtune.verify.configs import load_config
 from kvtune.verify.run import run_verify
+from kvtune.vllm_pd import BIDIRECTIONAL_KV_XFER, KV_TRANSFER_PARAMS, REMOTE_BLOCK_IDS
 
 SMALL = WorkloadConfig(n_conversations=3, turns=(2, 2), system_prompt_tokens=4,
                        first_user_tokens=(4, 8), follow_up_tokens=(2, 4), output_tokens=(2, 3),
@@ -28,7 +29,7 @@ def test_verify_through_router_and_standins(tmp_path):
                          backend, generate(SMALL), tmp_path / "out", workload="small",
                          progress=False)
     assert [name for name, _ in told] == ["defaults", "bidi"]
-    assert "bidirectional_kv_xfer" in told[1][1] and cluster.decode[0].instance().url in told[1][1]
+    assert BIDIRECTIONAL_KV_XFER in told[1][1] and cluster.decode[0].instance().url in told[1][1]
     assert [c.config.name for c in res.configs] == ["defaults", "bidi"]
     for c in res.configs:
         assert len(c.requests) == 6 and c.n_failed == 0
@@ -42,7 +43,7 @@ def test_verify_through_router_and_standins(tmp_path):
     assert comp.verdict.startswith("bidi is ")
     # bidirectional turns 2 were offered the decode's retained history by the router
     bidi_prefills = [r for r in cluster.requests("prefill")
-                     if (r.body.get("kv_transfer_params") or {}).get("remote_block_ids")]
+                     if (r.body.get(KV_TRANSFER_PARAMS) or {}).get(REMOTE_BLOCK_IDS)]
     assert len(bidi_prefills) == 3
     back = results.read(tmp_path / "out" / results.RESULT_FILE)
     assert back == res

@@ -26,19 +26,19 @@ def test_kv_transfer_config_per_role_mode_and_family(mode, connector):
     p = pd.kv_transfer_config("prefill", mode, connector=connector, engine_id=PREFILL_ENGINE,
                               extra_config={pd.KV_RECOMPUTE_THRESHOLD: 8})
     d = pd.kv_transfer_config("decode", spans.Mode(mode), connector=connector)
-    assert p["kv_connector"] == d["kv_connector"] == pd.CONNECTOR_CLASSES[(connector, mode)]
-    assert (p["kv_role"], d["kv_role"]) == ("kv_producer", "kv_consumer")
+    assert p[pd.KV_CONNECTOR] == d[pd.KV_CONNECTOR] == pd.CONNECTOR_CLASSES[(connector, mode)]
+    assert (p[pd.KV_ROLE], d[pd.KV_ROLE]) == (pd.KV_PRODUCER, pd.KV_CONSUMER)
     assert p["engine_id"] == PREFILL_ENGINE and "engine_id" not in d
-    assert p.get("kv_connector_module_path") == pd.CONNECTOR_MODULES[connector]
+    assert p.get(pd.KV_CONNECTOR_MODULE_PATH) == pd.CONNECTOR_MODULES[connector]
     assert "kv_buffer_device" not in p
-    assert p["kv_connector_extra_config"][pd.KV_RECOMPUTE_THRESHOLD] == 8
+    assert p[pd.KV_CONNECTOR_EXTRA_CONFIG][pd.KV_RECOMPUTE_THRESHOLD] == 8
     bidi = mode == "bidirectional"
     for cfg in (p, d):
-        assert cfg["kv_connector_extra_config"].get(pd.BIDIRECTIONAL_KV_XFER) is (True if bidi
+        assert cfg[pd.KV_CONNECTOR_EXTRA_CONFIG].get(pd.BIDIRECTIONAL_KV_XFER) is (True if bidi
                                                                                   else None)
     # The caller's own value of the switch wins (the export writes false explicitly).
     off = pd.kv_transfer_config("decode", mode, extra_config={pd.BIDIRECTIONAL_KV_XFER: False})
-    assert off["kv_connector_extra_config"][pd.BIDIRECTIONAL_KV_XFER] is False
+    assert off[pd.KV_CONNECTOR_EXTRA_CONFIG][pd.BIDIRECTIONAL_KV_XFER] is False
 
 
 @pytest.mark.parametrize("args, kwargs, match", [
@@ -176,7 +176,7 @@ def _connector(role: str, mode: str, **extra: Any) -> Any:
     spec = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=64, dtype=torch.bfloat16)
     kv_cache = KVCacheConfig(num_blocks=64, kv_cache_tensors=[], kv_cache_groups=[
         KVCacheGroupSpec(layer_names=["l0"], kv_cache_spec=spec)])
-    cls = getattr(nixl, cfg["kv_connector"])
+    cls = getattr(nixl, cfg[pd.KV_CONNECTOR])
     return cls(VllmConfig(kv_transfer_config=KVTransferConfig(**cfg)), KVConnectorRole.SCHEDULER,
                kv_cache)
 

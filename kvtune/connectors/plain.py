@@ -30,10 +30,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.push_worker import NixlPu
 
 from kvtune.connectors.idle import IdleStepWait, wait_ms_from_extra_config
 from kvtune.connectors.progress import agent_settings_of
+from kvtune.vllm_pd import KV_CONNECTOR_EXTRA_CONFIG
 
 
 def _idle_wait(vllm_config: Any) -> IdleStepWait | None:
-    extra = getattr(vllm_config.kv_transfer_config, "kv_connector_extra_config", None)
+    extra = getattr(vllm_config.kv_transfer_config, KV_CONNECTOR_EXTRA_CONFIG, None)
     wait_ms = wait_ms_from_extra_config(extra)
     return IdleStepWait(wait_ms) if wait_ms is not None else None
 

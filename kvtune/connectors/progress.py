@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 from kvtune.errors import ConnectorError
-from kvtune.vllm_pd import BIDIRECTIONAL_KV_XFER, progress_delay_applies
+from kvtune.vllm_pd import BIDIRECTIONAL_KV_XFER, KV_CONNECTOR_EXTRA_CONFIG, progress_delay_applies
 
 EXTRA_CONFIG_KEY: Final = "kvtune_progress_delay_us"
 """``kv_connector_extra_config`` key: NIXL progress-thread delay in microseconds (int >= 0)."""
@@ -132,7 +132,7 @@ def settings_of(vllm_config: Any, push: bool) -> AgentSettings:
     progress thread on either side was measured to hang them (the first push WRITE waited for the
     120 s lease; bidirectional workers timed out), so it is ignored there with a warning."""
     cfg = vllm_config.kv_transfer_config
-    extra = getattr(cfg, "kv_connector_extra_config", None) or {}
+    extra = getattr(cfg, KV_CONNECTOR_EXTRA_CONFIG, None) or {}
     delay = delay_from_extra_config(extra)
     thread = thread_from_extra_config(extra)
     mode = "push" if push else (

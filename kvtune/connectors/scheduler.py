@@ -35,11 +35,8 @@ from kvtune.connectors.observer import (
     transfer_attrs,
 )
 from kvtune.vllm_pd import (
-    DO_REMOTE_DECODE,
-    DO_REMOTE_PREFILL,
-    REMOTE_BLOCK_IDS,
-    REMOTE_NUM_TOKENS,
-    REMOTE_REQUEST_ID,
+    DO_REMOTE_DECODE, DO_REMOTE_PREFILL, KV_CONNECTOR_EXTRA_CONFIG, KV_CONSUMER,
+    REMOTE_BLOCK_IDS, REMOTE_NUM_TOKENS, REMOTE_REQUEST_ID,
 )
 
 if TYPE_CHECKING:
@@ -52,7 +49,7 @@ _NORMAL_FINISH = ("FINISHED_LENGTH_CAPPED", "FINISHED_STOPPED")
 
 def role_of(kv_role: str | None) -> spans.Role:
     """kvtune role of an engine from vLLM's ``kv_role`` (``kv_both`` counts as prefill)."""
-    return spans.Role.DECODE if kv_role == "kv_consumer" else spans.Role.PREFILL
+    return spans.Role.DECODE if kv_role == KV_CONSUMER else spans.Role.PREFILL
 
 
 @dataclass(slots=True)
@@ -92,7 +89,7 @@ class _SchedulerHooks:
         if getattr(self, "is_bidirectional_kv_xfer_enabled", False):
             mode = spans.Mode.BIDIRECTIONAL
         self._kvt_init(Emitter(role, mode, str(self.engine_id)))
-        wait_ms = wait_ms_from_extra_config(getattr(cfg, "kv_connector_extra_config", None))
+        wait_ms = wait_ms_from_extra_config(getattr(cfg, KV_CONNECTOR_EXTRA_CONFIG, None))
         self._kvt_idle = IdleStepWait(wait_ms) if wait_ms is not None else None
 
     def _kvt_init(self, emitter: Emitter) -> None:

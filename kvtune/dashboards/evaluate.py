@@ -44,6 +44,7 @@ from kvtune.dashboards.traceql import (
 )
 from kvtune import spans as convention
 from kvtune.errors import ConfigError
+from kvtune.traces.columns import NULLABLE_DTYPES
 
 SEARCH_COLUMNS: tuple[str, ...] = ("trace_id", "span_id", "name", "service", "start_ns", "duration_ms")
 """Leading columns of a search query's result."""
@@ -228,7 +229,6 @@ def _kind(v: object) -> str | None:
             "5": "consumer"}.get(s, s)
 
 
-_NULLABLE = {int: "Int64", float: "Float64", str: "string", bool: "boolean"}
 
 
 def _typed(f: Field, values: list[object]) -> pd.api.extensions.ExtensionArray | list[object]:
@@ -237,7 +237,7 @@ def _typed(f: Field, values: list[object]) -> pd.api.extensions.ExtensionArray |
     if isinstance(f, Attribute) and f.name in convention.ATTRIBUTE_TYPES:
         typ = convention.ATTRIBUTE_TYPES[f.name]
         if all(v is None or (isinstance(v, typ) and not (typ is int and isinstance(v, bool))) for v in values):
-            return pd.array([pd.NA if v is None else v for v in values], dtype=_NULLABLE[typ])
+            return pd.array([pd.NA if v is None else v for v in values], dtype=NULLABLE_DTYPES[typ])
     if isinstance(f, Intrinsic) and f.name == "duration":
         return pd.array(values, dtype="Float64")
     return values

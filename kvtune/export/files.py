@@ -43,14 +43,10 @@ FILES: tuple[str, ...] = (
 )
 """Every file :func:`write` makes, in the order it makes them."""
 
-CONNECTOR_FAMILIES: tuple[str, ...] = ("kvtune", "vllm")
-"""Connector families an export names: kvtune's instrumented subclasses or vLLM's own."""
 NEVER_THRESHOLD_TOKENS = 2**31 - 1
 """``kv_recompute_threshold`` written when reuse never pays: every history is below it (recompute)."""
 DEFAULT_PREFILL_URL = "http://PREFILL_HOST:8100"
 DEFAULT_DECODE_URL = "http://DECODE_HOST:8200"
-DEFAULT_SIDE_CHANNEL_PORT = vllm_pd.DEFAULT_SIDE_CHANNEL_PORT
-"""vLLM's default ``VLLM_NIXL_SIDE_CHANNEL_PORT`` (the router needs it in push mode)."""
 PREFILL_ENGINE_ID = "kvtune-prefill-0"
 """Fixed prefill engine id: the push router names the prefill up front."""
 
@@ -66,9 +62,9 @@ def kv_transfer_configs(tuning: Tuning, *, connector: str = "kvtune",
                         extra: dict[str, Any] | None = None) -> dict[str, dict[str, Any]]:
     """``{"prefill": {...}, "decode": {...}}``: the two ``--kv-transfer-config`` values."""
     mode = str(tuning.mode.value)
-    if connector not in CONNECTOR_FAMILIES or mode not in vllm_pd.MODES:
+    if connector not in vllm_pd.CONNECTOR_FAMILIES or mode not in vllm_pd.MODES:
         raise ConfigError(f"export: connector {connector!r} / mode {mode!r}: expected connector in "
-                          f"{sorted(CONNECTOR_FAMILIES)} and mode in {sorted(vllm_pd.MODES)}")
+                          f"{sorted(vllm_pd.CONNECTOR_FAMILIES)} and mode in {sorted(vllm_pd.MODES)}")
     bidi = mode == sc.Mode.BIDIRECTIONAL.value
     ttl = int(tuning.ttl.value)
     out: dict[str, dict[str, Any]] = {}
@@ -104,7 +100,7 @@ def serve_args(model: str, kv_config: dict[str, Any], *, port: int, geometry: An
 
 
 def router_config(tuning: Tuning, *, prefill_url: str, decode_url: str,
-                  side_channel_port: int = DEFAULT_SIDE_CHANNEL_PORT) -> dict[str, Any]:
+                  side_channel_port: int = vllm_pd.DEFAULT_SIDE_CHANNEL_PORT) -> dict[str, Any]:
     """The router's configuration (``kvtune.router.config`` keys)."""
     mode = str(tuning.mode.value)
     prefill: dict[str, Any] = {"url": prefill_url}
@@ -262,7 +258,7 @@ def write(tuning: Tuning, out_dir: str | os.PathLike[str], *, geometry: Any = No
           model: str | ModelName | None = None, prefill_url: str = DEFAULT_PREFILL_URL,
           decode_url: str = DEFAULT_DECODE_URL, prefill_port: int = 8100, decode_port: int = 8200,
           connector: str = "kvtune", kv_buffer_device: str | None = None,
-          side_channel_port: int = DEFAULT_SIDE_CHANNEL_PORT, overwrite: bool = False,
+          side_channel_port: int = vllm_pd.DEFAULT_SIDE_CHANNEL_PORT, overwrite: bool = False,
           _before_commit: Callable[[Path], None] | None = None,
           _between_renames: Callable[[Path], None] | None = None) -> Path:
     """Write :data:`FILES` into ``out_dir`` atomically (see module doc) and return its path.
@@ -298,9 +294,10 @@ def write(tuning: Tuning, out_dir: str | os.PathLike[str], *, geometry: Any = No
         "fit_quality": ({"r2": tuning.fit.r2, "n_transfers": tuning.fit.n_transfers,
                          "n_sizes": tuning.fit.n_sizes, "n_outliers": tuning.fit.n_outliers}
                         if tuning.fit is not None else None),
-        "written": {"kv_recompute_threshold": threshold_tokens(tuning),
-                    "decoder_kv_blocks_ttl": int(tuning.ttl.value), "mode": str(tuning.mode.value),
-                    "connector": kv["prefill"]["kv_connector"]},
+        "written": {vllm_pd.KV_RECOMPUTE_THRESHOLD: threshold_tokens(tuning),
+                    vllm_pd.DECODER_KV_BLOCKS_TTL: int(tuning.ttl.value),
+                    "mode": str(tuning.mode.value),
+                    "connector": kv["prefill"][vllm_pd.KV_CONNECTOR]},
         "recommendations": {r.name: r.as_dict() for r in (tuning.threshold, tuning.ttl, tuning.mode)},
         **tuning.as_dict(),
         "files": list(FILES),

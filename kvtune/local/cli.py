@@ -9,7 +9,7 @@ import argparse
 import json
 from dataclasses import asdict
 
-from kvtune.local.pair import CONNECTORS, MODES
+from kvtune.vllm_pd import CONNECTOR_FAMILIES, MODES
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -25,7 +25,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
     r = sub.add_parser("run", help="start a P/D pair, drive a multi-turn workload, stop")
     r.add_argument("--mode", required=True, choices=MODES)
-    r.add_argument("--connector", default="kvtune", choices=CONNECTORS)
+    r.add_argument("--connector", default="kvtune", choices=CONNECTOR_FAMILIES)
     r.add_argument("--workdir", required=True, help="server logs and caches go here")
     r.add_argument("--spans-dir", help="kvtune connectors write OTLP-JSON span lines here")
     r.add_argument("--results", help="write per-request results as JSON lines here")

@@ -1,4 +1,5 @@
-"""A small blocking HTTP client for vLLM's OpenAI server (stdlib only, loopback use).
+"""A small blocking HTTP client for vLLM's OpenAI server (stdlib and kvtune's P/D names only;
+loopback use).
 
 Blocking calls keep the P/D flow easy to follow; push mode runs its two legs on two threads.
 """
@@ -11,6 +12,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
+
+from kvtune.vllm_pd import KV_TRANSFER_PARAMS
 
 
 class HttpError(Exception):
@@ -79,7 +82,7 @@ def complete(url: str, body: Mapping[str, Any], *, headers: Mapping[str, str] | 
             return CompletionResponse(
                 body=data, text=choice.get("text") or "",
                 token_ids=tuple(choice.get("token_ids") or ()),
-                kv_transfer_params=data.get("kv_transfer_params"),
+                kv_transfer_params=data.get(KV_TRANSFER_PARAMS),
                 elapsed_ms=elapsed, first_token_ms=None)
         return _read_stream(url, resp, t0)
     except (OSError, http.client.HTTPException, ValueError, KeyError, IndexError) as exc:
@@ -113,5 +116,5 @@ def _read_stream(url: str, resp: http.client.HTTPResponse, t0: float) -> Complet
             text.append(piece_text)
     elapsed = (time.perf_counter() - t0) * 1e3
     return CompletionResponse(body=last, text="".join(text), token_ids=tuple(token_ids),
-                              kv_transfer_params=last.get("kv_transfer_params"),
+                              kv_transfer_params=last.get(KV_TRANSFER_PARAMS),
                               elapsed_ms=elapsed, first_token_ms=first_ms)

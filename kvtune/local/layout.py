@@ -28,7 +28,7 @@ from typing import Any, Final
 from kvtune.connectors.idle import EXTRA_CONFIG_KEY as IDLE_WAIT_KEY
 from kvtune.connectors.progress import EXTRA_CONFIG_KEY as PROGRESS_DELAY_KEY
 from kvtune.connectors.progress import RECOMMENDED_DELAY_US, THREAD_KEY
-from kvtune.vllm_pd import progress_delay_applies
+from kvtune.vllm_pd import NUM_THREADS, progress_delay_applies
 
 
 ONE_PROCESS_ENV: Final = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
@@ -77,7 +77,7 @@ class PairLayout:
         them: kvtune's, and :mod:`kvtune.connectors.plain` for vLLM's own)."""
         extra: dict[str, Any] = {}
         if not self.nixl_progress_thread:
-            extra.update({THREAD_KEY: False, "num_threads": 0})
+            extra.update({THREAD_KEY: False, NUM_THREADS: 0})
         elif self.pull_progress_delay_us is not None and progress_delay_applies(mode):
             extra[PROGRESS_DELAY_KEY] = self.pull_progress_delay_us
         if self.idle_wait_ms is not None:

@@ -58,10 +58,6 @@ from kvtune.router.state import SqliteConversationStore
 from kvtune.router.tracing import TRACEPARENT_HEADER
 from kvtune.spans import CONVERSATION_HEADER, Mode
 
-MODES: Final = vllm_pd.MODES
-CONNECTORS: Final = ("kvtune", "vllm")
-"""Connector families a pair loads (``vllm`` becomes ``plain`` when the layout changes the NIXL
-agent, which vLLM's classes cannot: :data:`kvtune.vllm_pd.CONNECTOR_CLASSES`)."""
 AGENT_SETTING_KEYS: Final = (PROGRESS_DELAY_KEY, THREAD_KEY, IDLE_WAIT_KEY)
 """``kv_connector_extra_config`` keys only kvtune's connectors (and the plain ones) read."""
 SPANS_DIR_ENV: Final = "KVTUNE_SPANS_DIR"
@@ -69,7 +65,7 @@ SPANS_DIR_ENV: Final = "KVTUNE_SPANS_DIR"
 KV_LEASE_DURATION_S: Final = 30
 """Prefill-side lease on blocks awaiting a READ. The quiet layout's legs take well under a second;
 120 s was needed while engines starved (a 30 s lease expired before the decode read then)."""
-REQUEST_TIMEOUT_S: Final = 60.0
+LEG_TIMEOUT_S: Final = 60.0
 """Per-leg HTTP timeout: three times the hang watchdog's bound, far above the quiet layout's legs
 (p99 150 ms in ``examples/stalls-side-by-side``); a CI machine may be loaded."""
 DEFAULT_PREFILL_ENGINE_ID: Final = "kvtune-local-prefill"
@@ -151,7 +147,7 @@ def _body(prompt: list[int] | str, max_tokens: int, *, ignore_eos: bool, stream:
         "return_token_ids": True, "stream": stream,
     }
     if kv_transfer_params is not None:
-        body["kv_transfer_params"] = dict(kv_transfer_params)
+        body[vllm_pd.KV_TRANSFER_PARAMS] = dict(kv_transfer_params)
     return body
 
 
@@ -170,7 +166,7 @@ class _Servers:
 
     _servers: list[VllmServer]
     _watchdog: StackWatchdog | None = None
-    _leg_timeout_s: float = REQUEST_TIMEOUT_S
+    _leg_timeout_s: float = LEG_TIMEOUT_S
     """Per-leg HTTP timeout; an instance value overrides it for a while (the P/D warm-up)."""
 
     def _start_servers(self) -> None:
@@ -225,11 +221,13 @@ class LocalPair(_Servers):
                  decode_engine_id: str = DEFAULT_DECODE_ENGINE_ID,
                  cpu_cores: tuple[int, int] = (0, 1), warmup_transfer: bool = True,
                  layout: PairLayout | str = QUIET, fabric: ShapedLink | None = None) -> None:
-        if mode not in MODES:
-            raise LocalPairError(f"LocalPair: mode expected one of {MODES}, got {mode!r}")
-        if connector not in CONNECTORS:
-            raise LocalPairError(f"LocalPair: connector expected one of {CONNECTORS}, "
-                                 f"got {connector!r}")
+        if mode not in vllm_pd.MODES:
+            raise LocalPairError(f"LocalPair: mode expected one of {vllm_pd.MODES}, got {mode!r}")
+        # ``vllm`` becomes ``plain`` when the layout changes the NIXL agent, which vLLM's classes
+        # cannot (:data:`kvtune.vllm_pd.CONNECTOR_CLASSES`).
+        if connector not in vllm_pd.CONNECTOR_FAMILIES:
+            raise LocalPairError(f"LocalPair: connector expected one of "
+                                 f"{vllm_pd.CONNECTOR_FAMILIES}, got {connector!r}")
         if ttl_s is not None and not ttl_s > 0:
             raise LocalPairError(f"LocalPair: ttl_s expected a positive number, got {ttl_s!r}")
         if recompute_threshold is not None and (
@@ -297,7 +295,7 @@ class LocalPair(_Servers):
     def router_config(self) -> RouterConfig:
         """The configuration of the router that drives this pair's requests (running servers)."""
         prefill, decode = self._require("prefill"), self._require("decode")
-        extra = self.kv_transfer_config("decode")["kv_connector_extra_config"]
+        extra = self.kv_transfer_config("decode")[vllm_pd.KV_CONNECTOR_EXTRA_CONFIG]
         timeout_s = self._leg_timeout_s
         return RouterConfig(
             prefill=(InstanceConfig(prefill.url, engine_id=self.prefill_engine_id, kv_host=HOST,
@@ -320,12 +318,6 @@ class LocalPair(_Servers):
     @property
     def prefill_side_channel_port(self) -> int:
         port = self._require("prefill").side_channel_port
-        assert port is not None
-        return port
-
-    @property
-    def decode_side_channel_port(self) -> int:
-        port = self._require("decode").side_channel_port
         assert port is not None
         return port
 
@@ -386,7 +378,7 @@ class LocalPair(_Servers):
                                                  stream=False, kv_transfer_params=None),
                            {"X-Request-Id": f"kvtune-warmup-{srv.name}-{uuid.uuid4().hex[:8]}"})
             self._leg_timeout_s = (WARMUP_LEG_TIMEOUT_S if self.warmup_transfer
-                                   else REQUEST_TIMEOUT_S)
+                                   else LEG_TIMEOUT_S)
             try:
                 self._start_router()
                 if self.warmup_transfer:
@@ -425,7 +417,7 @@ class LocalPair(_Servers):
         threshold). A handshake waits only 5 s for the peer's metadata (vLLM's ``RCVTIMEO``), so on
         a loaded machine the first contact can fail with HTTP 500 (see ``kvtune/local/README.md``):
         retried here, bounded, each failure logged."""
-        extra = self.kv_transfer_config("prefill")["kv_connector_extra_config"]
+        extra = self.kv_transfer_config("prefill")[vllm_pd.KV_CONNECTOR_EXTRA_CONFIG]
         threshold = int(extra.get(vllm_pd.KV_RECOMPUTE_THRESHOLD,
                                   vllm_pd.DEFAULT_KV_RECOMPUTE_THRESHOLD_TOKENS))
         # Turn 1's prompt (24 tokens) fills no 128-token block, so the prefill's own prefix cache

@@ -21,6 +21,7 @@ from typing import IO, Any, Final
 import kvtune
 from kvtune.local import client
 from kvtune.local.errors import LocalPairError
+from kvtune.vllm_pd import SIDE_CHANNEL_PORT_ENV
 
 SERVED_MODEL_NAME: Final = "kvtune-tiny"
 HOST: Final = "127.0.0.1"
@@ -128,7 +129,7 @@ class VllmServer:
             "PYTHONFAULTHANDLER": "1",
         })
         if self.side_channel_port is not None:
-            env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(self.side_channel_port)
+            env[SIDE_CHANNEL_PORT_ENV] = str(self.side_channel_port)
         env.update(self.extra_env)
         return env
 

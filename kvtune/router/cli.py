@@ -12,7 +12,8 @@ from typing import Any
 from urllib.parse import parse_qsl, urlsplit
 
 from kvtune.errors import ConfigError
-from kvtune.router.config import ROUTER_MODES, RouterConfig, config_from_dict, load_config
+from kvtune.router.config import RouterConfig, config_from_dict, load_config
+from kvtune.vllm_pd import MODES
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -20,7 +21,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill", metavar="URL", action="append",
                    help="prefill instance URL (repeatable); push: URL#engine_id=ID&kv_port=N")
     p.add_argument("--decode", metavar="URL", action="append", help="decode instance URL (repeatable)")
-    p.add_argument("--mode", choices=[m.value for m in ROUTER_MODES], help="routing mode (default pull)")
+    p.add_argument("--mode", choices=MODES, help="routing mode (default pull)")
     p.add_argument("--host", help="address to bind (default 127.0.0.1)")
     p.add_argument("--port", type=int, help="port to bind (0: any free port; default 8000)")
     p.add_argument("--state", metavar="SPEC",

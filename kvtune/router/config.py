@@ -44,11 +44,8 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from kvtune.errors import ConfigError
-from kvtune.spans import Mode
+from kvtune.spans import PD_MODES, Mode
 from kvtune.vllm_pd import DEFAULT_DECODER_KV_BLOCKS_TTL_S, router_margin_s
-
-ROUTER_MODES: tuple[Mode, ...] = (Mode.PULL, Mode.PUSH, Mode.BIDIRECTIONAL)
-"""Modes the router serves (``Mode.PROBE`` is not a routing mode)."""
 
 DEFAULT_DECODER_TTL_S = float(DEFAULT_DECODER_KV_BLOCKS_TTL_S)
 """vLLM's default ``decoder_kv_blocks_ttl`` (NIXL connector, bidirectional mode)."""
@@ -123,9 +120,9 @@ _INSTANCE_FIELDS = {f.name for f in dataclasses.fields(InstanceConfig)}
 
 
 def _validate(cfg: RouterConfig, source: str = "router config") -> None:
-    if not isinstance(cfg.mode, Mode) or cfg.mode not in ROUTER_MODES:
+    if not isinstance(cfg.mode, Mode) or cfg.mode not in PD_MODES:
         raise ConfigError(f"{source}: field 'mode': expected one of "
-                          f"{[m.value for m in ROUTER_MODES]}, got {cfg.mode!r}")
+                          f"{[m.value for m in PD_MODES]}, got {cfg.mode!r}")
     if not cfg.prefill:
         raise ConfigError(f"{source}: field 'prefill': expected at least one instance")
     if not cfg.decode:
@@ -214,7 +211,7 @@ def config_from_dict(data: Mapping[str, Any], *, source: str = "router config") 
             kwargs["mode"] = Mode(str(data["mode"]))
         except ValueError:
             raise ConfigError(f"{source}: field 'mode': expected one of "
-                              f"{[m.value for m in ROUTER_MODES]}, got {data['mode']!r}") from None
+                              f"{[m.value for m in PD_MODES]}, got {data['mode']!r}") from None
     for name in ("host", "state"):
         if name in data:
             kwargs[name] = str(data[name])

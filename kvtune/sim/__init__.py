@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from kvtune.sim import presets
 from kvtune.sim.calibrate import SimInput, from_fit, sim_inputs
-from kvtune.sim.config import (MODES, DecodeModel, Dist, Overheads, PrefillModel, ReuseSettings,
+from kvtune.sim.config import (DecodeModel, Dist, Overheads, PrefillModel, ReuseSettings,
                                SimConfig, TransferModel, WorkloadSpec)
 from kvtune.sim.estimate import Calibrated, best_mode, calibrate, expected_ttft, ttft_per_mode
 from kvtune.sim.result import REQUEST_COLUMNS, SimResult, TtftEstimate, simulate
@@ -19,7 +19,7 @@ from kvtune.sim.timeline import RequestTimeline, Retention, Timeline
 from kvtune.sim.workload import Arrival, Traffic
 
 __all__ = [
-    "MODES", "Arrival", "Calibrated", "DecodeModel", "Dist", "Overheads", "PrefillModel",
+    "Arrival", "Calibrated", "DecodeModel", "Dist", "Overheads", "PrefillModel",
     "REQUEST_COLUMNS", "RequestTimeline", "Retention", "ReuseSettings", "SimConfig", "SimInput",
     "SimResult", "Timeline", "Traffic", "TransferModel", "TtftEstimate", "WorkloadSpec",
     "best_mode", "calibrate", "expected_ttft", "from_fit", "presets", "sim_inputs", "simulate",

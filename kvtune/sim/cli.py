@@ -6,14 +6,14 @@ import json
 import sys
 from pathlib import Path
 
-from kvtune.sim.config import MODES
+from kvtune.vllm_pd import MODES
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("sim", help="what-if simulation of push / pull / bidirectional",
                               description=__doc__)
     p.add_argument("--preset", default="public-h200-qwen3-32b", help="deployment preset")
-    p.add_argument("--mode", choices=[m.value for m in MODES], default="push")
+    p.add_argument("--mode", choices=MODES, default="push")
     p.add_argument("--qps", type=float, help="requests per second (Poisson)")
     p.add_argument("--users", type=int, help="closed loop: concurrent users instead of --qps")
     p.add_argument("--duration-s", type=float, help="arrivals for this long (simulated seconds)")

@@ -15,22 +15,18 @@ import numpy as np
 import pandas as pd
 
 from kvtune.errors import SimError
-from kvtune.spans import Mode
-
-MODES: tuple[Mode, ...] = (Mode.PUSH, Mode.PULL, Mode.BIDIRECTIONAL)
-"""Modes the simulator plays (``kvtune.spans.Mode``). Bidirectional = pull forward transfers +
-reverse reuse of history."""
+from kvtune.spans import PD_MODES, Mode
 
 
 def sim_mode(value: Mode | str, what: str = "mode") -> Mode:
-    """``value`` as one of :data:`MODES` (a ``Mode`` or its string value); :class:`SimError`
-    naming ``what`` otherwise."""
+    """``value`` as one of :data:`kvtune.spans.PD_MODES` (a ``Mode`` or its string value);
+    :class:`SimError` naming ``what`` otherwise."""
     try:
         mode = Mode(value)
     except ValueError:
         mode = None
-    if mode not in MODES:
-        raise SimError(f"{what}: expected one of {[m.value for m in MODES]}, got {value!r}")
+    if mode not in PD_MODES:
+        raise SimError(f"{what}: expected one of {[m.value for m in PD_MODES]}, got {value!r}")
     return mode
 
 DIST_KINDS: tuple[str, ...] = ("fixed", "lognormal", "uniform", "exponential", "empirical")

@@ -14,10 +14,11 @@ from kvtune.analysis.prefill import PrefillCost
 from kvtune.analysis.workload import Workload
 from kvtune.errors import SimError
 from kvtune.sim.calibrate import FLOOR_FIT_FIELDS, PREFILL_FIT_FIELDS, SimInput, from_fit, sim_inputs
-from kvtune.sim.config import MODES, Mode, SimConfig, WorkloadSpec, sim_mode
+from kvtune.sim.config import Mode, SimConfig, WorkloadSpec, sim_mode
 from kvtune.sim.presets import public_h200_qwen3_32b
 from kvtune.sim.result import TtftEstimate, simulate
 from kvtune.sim.workload import requests_frame, spec_from_workload
+from kvtune.spans import PD_MODES
 
 DEFAULT_MAX_REQUESTS = 1200
 """Requests simulated per mode by default: enough for a stable p50 and a rough p99 while the
@@ -97,7 +98,7 @@ def calibrate(traffic: Traffic, floor_fit: FloorFit | None = None,
     return Calibrated(cfg, sim_inputs(cfg, sources))
 
 
-def ttft_per_mode(config: SimConfig, modes: Iterable[Mode | str] = MODES) -> dict[Mode, TtftEstimate]:
+def ttft_per_mode(config: SimConfig, modes: Iterable[Mode | str] = PD_MODES) -> dict[Mode, TtftEstimate]:
     """TTFT of ``config``'s traffic played in each mode."""
     chosen = [sim_mode(m, "expected_ttft: modes") for m in modes]
     return {m: simulate(replace(config, mode=m)).ttft() for m in chosen}
@@ -105,7 +106,7 @@ def ttft_per_mode(config: SimConfig, modes: Iterable[Mode | str] = MODES) -> dic
 
 def expected_ttft(traffic: Traffic, floor_fit: FloorFit | None = None,
                   prefill_cost: PrefillCost | None = None, *,
-                  modes: Iterable[Mode | str] = MODES, base: SimConfig | None = None,
+                  modes: Iterable[Mode | str] = PD_MODES, base: SimConfig | None = None,
                   max_requests: int = DEFAULT_MAX_REQUESTS, seed: int = 0,
                   prefix_caching: bool | None = None, ttl_s: float | None = None,
                   threshold_tokens: int | None = None, bytes_per_token: float | None = None,

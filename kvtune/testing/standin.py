@@ -167,7 +167,7 @@ class StandInVllmServer:
             await asyncio.sleep(self.delay_s)
         if self.fail_status is not None:
             return self._reject(request, body, self.fail_status, "failing on purpose")
-        params = body.get("kv_transfer_params")
+        params = body.get(pd.KV_TRANSFER_PARAMS)
         if not isinstance(params, dict):
             return self._reject(request, body, 400, "expected kv_transfer_params (P/D protocol)")
         if self.role == "prefill":
@@ -253,7 +253,7 @@ class StandInVllmServer:
                 "created": int(time.time()), "model": STANDIN_MODEL, "choices": [choice],
                 "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": len(out_words),
                           "total_tokens": prompt_tokens + len(out_words)},
-                "kv_transfer_params": dict(kv_params) if kv_params is not None else None}
+                pd.KV_TRANSFER_PARAMS: dict(kv_params) if kv_params is not None else None}
 
     async def _stream(self, request: web.Request, rid: str, out_words: Sequence[str],
                       prompt_tokens: int, body: Mapping[str, Any],
@@ -283,7 +283,7 @@ class StandInVllmServer:
             choice["finish_reason"] = "length" if last else None
             event: dict[str, Any] = {**base, "choices": [choice]}
             if last and kv_params is not None:
-                event["kv_transfer_params"] = dict(kv_params)
+                event[pd.KV_TRANSFER_PARAMS] = dict(kv_params)
             await send(event)
         opts = body.get("stream_options") or {}
         if isinstance(opts, dict) and opts.get("include_usage"):

@@ -23,6 +23,7 @@ import numpy as np
 import pandas as pd
 
 from kvtune import spans as sc
+from kvtune.traces.columns import NULLABLE_DTYPES
 from kvtune.analysis.prefill import VLLM_PREFILL_TIME_S, VLLM_PROMPT_TOKENS, VLLM_REQUEST_SPAN
 
 _CONTRACT_DTYPES: dict[str, str] = {
@@ -41,7 +42,6 @@ SPAN_COLUMNS: tuple[str, ...] = tuple(_COLS)
 SPAN_DTYPES: dict[str, str] = dict(_DTYPES)
 """Their dtypes, as the loader makes them."""
 
-_DTYPE_OF = {int: "Int64", float: "Float64", str: "string", bool: "boolean"}
 T0_NS = 1_767_225_600_000_000_000  # 2026-01-01T00:00:00Z: a fixed epoch for reproducible frames
 
 
@@ -76,7 +76,7 @@ def spans_frame(records: Iterable[dict]) -> pd.DataFrame:
     for key, typ in sc.ATTRIBUTE_TYPES.items():
         vals = [row["attrs"].get(key, pd.NA) for row in rows]
         vals = [v.value if isinstance(v, Enum) else v for v in vals]
-        data[key] = pd.Series(pd.array(vals, dtype=_DTYPE_OF[typ]))
+        data[key] = pd.Series(pd.array(vals, dtype=NULLABLE_DTYPES[typ]))
     df = pd.DataFrame(data)
     df.attrs["clock_offsets_ns"] = {}
     df.attrs["skipped"] = []

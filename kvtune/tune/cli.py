@@ -80,9 +80,10 @@ def run(args: argparse.Namespace) -> int:
     print(f"  configs:         {result.out_dir / 'configs'}")
     print(f"  notebooks:       {result.out_dir / 'notebooks'}")
     if result.recommendation_json.exists():
+        from kvtune.tune.headline import MODE, THRESHOLD, TTL
         rec = json.loads(result.recommendation_json.read_text())
         print(f"  model:           {rec.get('model')} ({rec.get('model_source')})")
-        for key in ("kv_recompute_threshold", "decoder_kv_blocks_ttl", "mode"):
+        for key in (THRESHOLD, TTL, MODE):
             item = rec.get("recommendations", rec).get(key, rec.get(key))
             value = item.get("value") if isinstance(item, dict) else item
             print(f"  {key:24s} {value}")

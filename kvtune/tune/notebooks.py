@@ -52,11 +52,100 @@ def draws_tuning(path: Path) -> bool:
     return any(c.cell_type == "code" and TUNING_CALL in c.source for c in nb.cells)
 
 
+KERNEL_NAME = "python3"
+"""The kernel every notebook runs on: this interpreter's (the venv's) IPython kernel."""
+KERNEL_ARGS: tuple[str, ...] = ("--HistoryManager.hist_file=:memory:",)
+"""No IPython history file (what nbclient passes to the kernels it starts itself)."""
+PRESTARTED_ENGINE = "kvtune-prestarted"
+"""The papermill engine that runs a notebook on a kernel started ahead of it (`NotebookKernels`)."""
+
+
+def _kernel_env(name: str, figures_dir: Path | None) -> dict[str, str]:
+    env = dict(os.environ)
+    env["KVTUNE_NOTEBOOK"] = name
+    if figures_dir is not None:
+        env[FIGURES_DIR_ENV] = str(figures_dir)
+    # The kernel must be this interpreter (the venv's), whatever PATH the caller had.
+    env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
+    return env
+
+
+class NotebookKernels:
+    """Starts each notebook's kernel ahead of its turn, so that it boots while the notebook
+    before it runs (0.5-0.7 s a kernel on a 2-core machine, measured for
+    ``bench/notebook_stage.py``), and stops each one at once when its notebook is done.
+
+    Use as a context manager: kernels started but never used are stopped on exit."""
+
+    def __init__(self, *, figures_dir: Path | None = None, cwd: Path | None = None) -> None:
+        self.figures_dir, self.cwd = figures_dir, cwd or Path.cwd()
+        self._ahead: dict[str, Any] = {}
+
+    def __enter__(self) -> NotebookKernels:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        while self._ahead:
+            _stop_kernel(self._ahead.popitem()[1])
+
+    def start(self, name: str) -> None:
+        """Start the kernel of notebook ``name`` now (once); `take` hands it over later."""
+        if name in self._ahead:
+            return
+        from jupyter_client.manager import AsyncKernelManager
+        from jupyter_core.utils import run_sync
+        km = AsyncKernelManager(kernel_name=KERNEL_NAME)
+        run_sync(km.start_kernel)(extra_arguments=list(KERNEL_ARGS), cwd=str(self.cwd),
+                                  env=_kernel_env(name, self.figures_dir))
+        self._ahead[name] = km
+
+    def take(self, name: str) -> Any:
+        """The kernel manager of notebook ``name``'s kernel (started now if it was not)."""
+        self.start(name)
+        return self._ahead.pop(name)
+
+
+def _stop_kernel(km: Any) -> None:
+    from jupyter_core.utils import run_sync
+    try:
+        if run_sync(km.is_alive)():
+            run_sync(km.shutdown_kernel)(now=True)
+    finally:
+        run_sync(km.cleanup_resources)()
+
+
+def _register_prestarted_engine() -> None:
+    import papermill.engines as engines
+    from papermill.clientwrap import PapermillNotebookClient
+
+    if PRESTARTED_ENGINE in engines.papermill_engines._engines:
+        return
+
+    class PrestartedKernelEngine(engines.NBClientEngine):
+        """papermill's nbclient engine on a kernel started beforehand (``km``), which it stops at
+        once when the last cell is done (the notebook is complete; nothing waits on the kernel)."""
+
+        @classmethod
+        def execute_managed_notebook(cls, nb_man: Any, kernel_name: str, log_output: bool = False,
+                                     stdout_file: Any = None, stderr_file: Any = None,
+                                     start_timeout: int = 60, execution_timeout: Any = None,
+                                     km: Any = None, **kwargs: Any) -> Any:
+            client = PapermillNotebookClient(
+                nb_man, km=km, timeout=execution_timeout, startup_timeout=start_timeout,
+                kernel_name=kernel_name, log=engines.logger, log_output=log_output,
+                stdout_file=stdout_file, stderr_file=stderr_file, shutdown_kernel="immediate")
+            return client.execute(cleanup_kc=True)
+
+    engines.papermill_engines.register(PRESTARTED_ENGINE, PrestartedKernelEngine)
+
+
 def run_notebook(name: str, out_dir: Path, parameters: dict[str, Any], *,
                  notebooks_dir: Path = NOTEBOOKS_DIR, figures_dir: Path | None = None,
-                 timeout_s: int = 1800) -> NotebookRun:
+                 timeout_s: int = 1800, kernels: NotebookKernels | None = None) -> NotebookRun:
     """Execute one notebook with papermill into ``out_dir/<name>.ipynb``.
 
+    ``kernels``: where the notebook's kernel may have been started ahead (see `NotebookKernels`;
+    its ``figures_dir`` is the one that counts then); else papermill starts one.
     Published values (`kvtune.nb.publish`) go into the executed notebook's ``metadata.kvtune``.
     A failing cell raises `NotebookFailed` after papermill wrote the notebook with the error."""
     import logging
@@ -68,20 +157,24 @@ def run_notebook(name: str, out_dir: Path, parameters: dict[str, Any], *,
 
     out_dir.mkdir(parents=True, exist_ok=True)
     output = out_dir / f"{name}.ipynb"
+    source = str(notebook_path(name, notebooks_dir))
     env_backup = {k: os.environ.get(k) for k in (FIGURES_DIR_ENV, "KVTUNE_NOTEBOOK", "PATH")}
-    os.environ["KVTUNE_NOTEBOOK"] = name
-    if figures_dir is not None:
-        os.environ[FIGURES_DIR_ENV] = str(figures_dir)
-    # The kernel must be this interpreter (the venv's), whatever PATH the caller had.
-    os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
+    engine: dict[str, Any] = {}
+    if kernels is not None:
+        _register_prestarted_engine()
+        engine = {"engine_name": PRESTARTED_ENGINE, "km": kernels.take(name)}
+    else:
+        os.environ.update(_kernel_env(name, figures_dir))
     try:
-        papermill.execute_notebook(str(notebook_path(name, notebooks_dir)), str(output),
-                                   parameters=parameters, progress_bar=False, kernel_name="python3",
-                                   cwd=str(Path.cwd()), execution_timeout=timeout_s)
+        papermill.execute_notebook(source, str(output), parameters=parameters, progress_bar=False,
+                                   kernel_name=KERNEL_NAME, cwd=str(Path.cwd()),
+                                   execution_timeout=timeout_s, **engine)
     except PapermillExecutionError as exc:
         raise NotebookFailed(name, exc.cell_index, exc.exec_count, exc.ename, exc.evalue,
                              output, exc.source or "") from None
     finally:
+        if "km" in engine:
+            _stop_kernel(engine["km"])  # stopped already unless the notebook could not start
         for k, v in env_backup.items():
             if v is None:
                 os.environ.pop(k, None)

@@ -14,8 +14,8 @@ from kvtune.errors import KvtuneError
 from kvtune.recommend.saved import INPUT_NAMES, tuning_inputs, write_tuning
 from kvtune.tune import params as P
 from kvtune.tune.headline import VERIFY_KEY
-from kvtune.tune.notebooks import (NOTEBOOKS_DIR, TUNE_NOTEBOOKS, draws_tuning, notebook_path,
-                                   run_notebook)
+from kvtune.tune.notebooks import (NOTEBOOKS_DIR, TUNE_NOTEBOOKS, NotebookKernels, draws_tuning,
+                                   notebook_path, run_notebook)
 from kvtune.tune.report import write_report
 
 log = logging.getLogger(__name__)
@@ -40,13 +40,15 @@ def run_tune(traces: str | None = None, out_dir: str | Path = "out/tune", *,
              parameters: dict[str, Any] | None = None,
              notebooks: Sequence[str] = TUNE_NOTEBOOKS, notebooks_dir: Path = NOTEBOOKS_DIR,
              default_source: dict[str, Any] | None = None, progress: bool = True,
-             share_tuning: bool = True) -> TuneResult:
+             share_tuning: bool = True, kernels_ahead: bool = True) -> TuneResult:
     """Run the tuning end to end.
 
     Without ``traces`` kvtune makes its own spans on this machine first (see `kvtune.tune.sources`).
     The tuning (``recommend()``: the simulator and the bootstrap intervals) is computed once, saved
     as ``tuning.json`` and handed to the notebooks, which draw it; ``share_tuning=False`` lets
     each notebook compute it itself (the old way, kept for ``bench/notebook_stage.py``).
+    Each notebook's kernel is started one notebook ahead (`NotebookKernels`);
+    ``kernels_ahead=False`` lets papermill start each when its notebook's turn comes (the old way).
     A bad parameter raises `ConfigError` before anything runs; a failing cell raises `NotebookFailed`
     naming the notebook and cell, with the executed notebook left behind."""
     from tqdm import tqdm
@@ -71,19 +73,25 @@ def run_tune(traces: str | None = None, out_dir: str | Path = "out/tune", *,
             checked["model_name"] = made.model
     else:
         source_desc = checked["traces"]
-    if share_tuning and not checked["tuning_json"]:
-        checked["tuning_json"] = _shared_tuning(checked, out / TUNING_FILE, notebooks,
-                                                notebooks_dir)
     figures = out / "figures"
     runs = {}
     values: dict[str, Any] = {}
-    bar = tqdm(notebooks, desc="kvtune tune", unit="notebook", disable=not progress)
-    for name in bar:
-        bar.set_postfix_str(name)
-        run = run_notebook(name, out / "notebooks", checked, notebooks_dir=notebooks_dir,
-                           figures_dir=figures)
-        runs[name] = run.output
-        values.update(run.values)
+    # Each notebook's kernel starts one notebook ahead (the first while the tuning is computed).
+    with NotebookKernels(figures_dir=figures) as kernels:
+        if notebooks and kernels_ahead:
+            kernels.start(notebooks[0])
+        if share_tuning and not checked["tuning_json"]:
+            checked["tuning_json"] = _shared_tuning(checked, out / TUNING_FILE, notebooks,
+                                                    notebooks_dir)
+        bar = tqdm(notebooks, desc="kvtune tune", unit="notebook", disable=not progress)
+        for i, name in enumerate(bar):
+            bar.set_postfix_str(name)
+            if kernels_ahead and i + 1 < len(notebooks):
+                kernels.start(notebooks[i + 1])
+            run = run_notebook(name, out / "notebooks", checked, notebooks_dir=notebooks_dir,
+                               figures_dir=figures, kernels=kernels if kernels_ahead else None)
+            runs[name] = run.output
+            values.update(run.values)
     rec = out / "configs" / "recommendation.json"
     data = None
     if rec.exists() and "tune" in notebooks:  # else it is an earlier run's: not this report's

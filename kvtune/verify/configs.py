@@ -21,8 +21,9 @@ from pathlib import Path
 from typing import Any, Final
 
 from kvtune.errors import ConfigError
+from kvtune.vllm_pd import (BIDIRECTIONAL_KV_XFER, DECODER_KV_BLOCKS_TTL, KV_CONNECTOR,
+                            KV_CONNECTOR_EXTRA_CONFIG, KV_RECOMPUTE_THRESHOLD, MODES)
 
-MODES: Final = ("pull", "push", "bidirectional")
 DEFAULTS: Final = "defaults"
 DEFAULTS_BIDIRECTIONAL: Final = "defaults:bidirectional"
 RECOMMENDED: Final = "recommended"
@@ -76,11 +77,11 @@ class VerifyConfig:
         cluster's instances)."""
         out: dict[str, Any] = {}
         if self.mode == "bidirectional":
-            out["bidirectional_kv_xfer"] = True
+            out[BIDIRECTIONAL_KV_XFER] = True
         if self.recompute_threshold_tokens is not None:
-            out["kv_recompute_threshold"] = self.recompute_threshold_tokens
+            out[KV_RECOMPUTE_THRESHOLD] = self.recompute_threshold_tokens
         if self.ttl_s is not None:
-            out["decoder_kv_blocks_ttl"] = self.ttl_s
+            out[DECODER_KV_BLOCKS_TTL] = self.ttl_s
         return out
 
 
@@ -118,7 +119,7 @@ def load_config(spec: str) -> VerifyConfig:
     data = _read(path)
     if isinstance(data, dict) and "recommendations" in data:
         return from_recommendation(path, name=name or RECOMMENDED, data=data)
-    if isinstance(data, dict) and "kv_connector" in data:
+    if isinstance(data, dict) and KV_CONNECTOR in data:
         return from_kv_transfer_config(data, name=name or path.stem.split(".")[0],
                                        source=str(path))
     if isinstance(data, dict):
@@ -162,16 +163,16 @@ def from_recommendation(path: Path, *, name: str = RECOMMENDED,
 
 
 def from_kv_transfer_config(data: dict[str, Any], *, name: str, source: str) -> VerifyConfig:
-    extra = data.get("kv_connector_extra_config") or {}
+    extra = data.get(KV_CONNECTOR_EXTRA_CONFIG) or {}
     if not isinstance(extra, dict):
         raise ConfigError(f"{source}: field 'kv_connector_extra_config': expected an object")
-    connector = str(data.get("kv_connector", ""))
+    connector = str(data.get(KV_CONNECTOR, ""))
     mode = ("push" if "Push" in connector else
-            "bidirectional" if extra.get("bidirectional_kv_xfer") else "pull")
+            "bidirectional" if extra.get(BIDIRECTIONAL_KV_XFER) else "pull")
     return VerifyConfig(name, mode,
-                        _int_or_none(extra.get("kv_recompute_threshold"), source,
+                        _int_or_none(extra.get(KV_RECOMPUTE_THRESHOLD), source,
                                      "kv_connector_extra_config.kv_recompute_threshold"),
-                        _float_or_none(extra.get("decoder_kv_blocks_ttl"), source,
+                        _float_or_none(extra.get(DECODER_KV_BLOCKS_TTL), source,
                                        "kv_connector_extra_config.decoder_kv_blocks_ttl"),
                         source=source)
 
