@@ -20,6 +20,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final
 
+from kvtune.vllm_pd import MODES
+
 if TYPE_CHECKING:  # results.py holds a PredictionCheck: no run-time import back
     from kvtune.local.workload import ConversationPlan
     from kvtune.verify.results import ConfigResult
@@ -28,7 +30,6 @@ P50_TOLERANCE_SHARE: Final = 0.25
 """A mode's measured p50 within 25% of its prediction counts as held."""
 REUSE_TOLERANCE_POINTS: Final = 10.0
 """Measured share of reuse captured within 10 percentage points of the prediction."""
-MODES: Final = ("pull", "push", "bidirectional")
 
 
 @dataclass(frozen=True)
