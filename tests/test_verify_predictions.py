@@ -28,10 +28,13 @@ def _plans() -> list[ConversationPlan]:
             for cid in ("a", "b")]
 
 
-def _measured(cfg: C.VerifyConfig, ttft_ms: float, reused: int | None = None):
+def _measured(cfg: C.VerifyConfig, ttft_ms: float, reused: int | None = None,
+              offered: int | None = None):
     # turn 2's prompt: 300 + 8 output + 20 new = 328 -> history 308 tokens
     reqs = tuple(RequestMeasurement(cid, turn, 300 if turn == 1 else 328,
-                                    ttft_ms + i, 50.0, True)
+                                    ttft_ms + i, 50.0, True,
+                                    offered_tokens=None if offered is None or turn == 1
+                                    else (offered if cid == "a" else 0))
                  for i, (cid, turn) in enumerate([(c, t) for c in "ab" for t in (1, 2)] * 3))
     return measure.summarize(cfg, reqs, reused_tokens=reused, memory=(), blocks_total=None,
                              wall_s=1.0)
@@ -40,23 +43,25 @@ def _measured(cfg: C.VerifyConfig, ttft_ms: float, reused: int | None = None):
 def test_modes_ranking_and_reuse_against_measurements():
     m = [_measured(C.vllm_defaults(), 110.0),
          _measured(C.VerifyConfig("push", "push"), 70.0),
-         _measured(C.VerifyConfig("bidi", "bidirectional", 200, 4.0), 130.0, reused=3 * 256)]
-    got = check(_rec(), m, _plans(), block_tokens=128)
+         _measured(C.VerifyConfig("bidi", "bidirectional", 200, 4.0), 130.0, reused=100,
+                   offered=308)]
+    got = check(_rec(), m, _plans())
     by = {x.mode: x for x in got.modes}
     assert by["pull"].config == "defaults" and by["pull"].held  # ~+11%
     assert by["push"].error_share == pytest.approx(by["push"].measured_p50_ms / 80.0 - 1)
     assert by["bidirectional"].held is False  # ~+45%: outside 25%
     assert got.ranked_first == "push" and got.measured_best == "push" and got.ranking_held
     r = got.reuse
-    # history 308 tokens -> 2 whole 128-token blocks (256), 6 turn-2 requests
-    assert r.reusable_history_tokens == 6 * 256 and r.measured_share == pytest.approx(0.5)
+    # history 308 tokens in 6 turn-2 requests; the router offered it back for conversation a only
+    assert r.reusable_history_tokens == 6 * 308 and r.offered_tokens == 3 * 308
+    assert r.measured_share == pytest.approx(0.5) and r.reused_tokens == 100
     assert r.error_points == pytest.approx(-30.0) and r.held is False
     assert any("reuse captured" in line for line in got.lines())
 
 
 def test_bidirectional_at_other_settings_is_not_the_predicted_one():
     m = [_measured(C.VerifyConfig("bidi", "bidirectional", 64, 480.0), 90.0, reused=100)]
-    got = check(_rec(), m, _plans(), block_tokens=128)
+    got = check(_rec(), m, _plans())
     bidi = next(x for x in got.modes if x.mode == "bidirectional")
     assert bidi.measured_p50_ms is None and bidi.held is None
     assert got.reuse is None and got.ranking_held is None

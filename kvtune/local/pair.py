@@ -298,7 +298,10 @@ class LocalPair(_Servers):
         extra = self.kv_transfer_config("decode")[vllm_pd.KV_CONNECTOR_EXTRA_CONFIG]
         timeout_s = self._leg_timeout_s
         return RouterConfig(
-            prefill=(InstanceConfig(prefill.url, engine_id=self.prefill_engine_id, kv_host=HOST,
+            # push: the decode handshakes with the prefill's side channel, which listens on the
+            # prefill's address (its namespace's on a shaped link)
+            prefill=(InstanceConfig(prefill.url, engine_id=self.prefill_engine_id,
+                                    kv_host=self.fabric.host("prefill") if self.fabric else HOST,
                                     kv_port=self.prefill_side_channel_port),),
             decode=(InstanceConfig(decode.url),), mode=Mode(self.mode), host=HOST, port=0,
             state=":memory:",

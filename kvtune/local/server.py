@@ -31,9 +31,6 @@ STOP_GRACE_S: Final = 20.0
 """SIGTERM -> SIGKILL grace period for a server's process group."""
 LOG_TAIL_LINES: Final = 60
 MAX_MODEL_LEN: Final = 4096
-BLOCK_TOKENS: Final = 128
-"""vLLM's KV block size on the CPU platform (its default; the pair does not set ``--block-size``):
-only whole blocks are cached, transferred and reused."""
 NUM_BLOCKS: Final = 256
 """``--num-gpu-blocks-override``: a small KV cache. With vLLM's default (16k blocks on CPU) the NIXL
 handshake registers 16k descriptors and takes ~12 s, and push handshakes time out."""

@@ -170,8 +170,7 @@ def run(args: argparse.Namespace) -> int:
     result = run_verify(configs, _backend(args), plans, out, workload=_describe(plans, origin),
                         baseline=args.baseline, crossover=spec, recommendation=rec,
                         time_scale=args.time_scale, progress=not args.no_progress,
-                        seed=args.seed, max_concurrency=_concurrency(args),
-                        block_tokens=1 if args.prefill else _local_block_tokens())
+                        seed=args.seed, max_concurrency=_concurrency(args))
     for row in page.table_rows(result):
         print("  ".join(row))
     for comp in result.comparisons:
@@ -208,8 +207,3 @@ def _concurrency(args: argparse.Namespace) -> int | None:
         from kvtune.tune.sources import PARALLEL_CONVERSATIONS
         return PARALLEL_CONVERSATIONS
     return None
-
-
-def _local_block_tokens() -> int:
-    from kvtune.local.server import BLOCK_TOKENS
-    return BLOCK_TOKENS

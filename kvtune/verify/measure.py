@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Final
 
@@ -123,6 +123,12 @@ class MemorySampler:
 
 def ttft_from_router_spans(path: Path) -> dict[str, float]:
     """``kv.ttft_ms`` of the router's ``kv.request`` spans by the client's request id."""
+    return {rid: v[0] for rid, v in router_request_facts(path).items() if v[0] is not None}
+
+
+def router_request_facts(path: Path) -> dict[str, tuple[float | None, int | None]]:
+    """(``kv.ttft_ms``, ``kv.reuse.remote_tokens``) of the router's ``kv.request`` spans by the
+    client's request id."""
     if not path.exists():
         return {}
     from kvtune.traces import load
@@ -135,17 +141,27 @@ def ttft_from_router_spans(path: Path) -> dict[str, float]:
     for attrs in req["attrs"]:  # every attribute is in ``attrs``, typed columns only for some
         attrs = attrs if isinstance(attrs, dict) else {}
         rid, ttft = attrs.get(sc.CLIENT_REQUEST_ID), attrs.get(sc.TTFT_MS)
-        if isinstance(rid, str) and isinstance(ttft, (int, float)) and ttft == ttft:
-            out[rid] = float(ttft)
+        offered = attrs.get(sc.REUSE_REMOTE_TOKENS)
+        if isinstance(rid, str):
+            out[rid] = (float(ttft) if isinstance(ttft, (int, float)) and ttft == ttft else None,
+                        int(offered) if isinstance(offered, (int, float))
+                        and not isinstance(offered, bool) else None)
     return out
 
 
 def measurements(results: Sequence[RequestResult],
-                 ttft: dict[str, float]) -> tuple[RequestMeasurement, ...]:
-    return tuple(RequestMeasurement(
-        conversation_id=r.conversation_id, turn=r.turn, prompt_tokens=r.prompt_tokens,
-        ttft_ms=ttft.get(r.request_id, r.ttft_ms) if r.ok else None, latency_ms=r.latency_ms,
-        ok=r.ok, error=r.error) for r in results)
+                 facts: Mapping[str, tuple[float | None, int | None]]
+                 ) -> tuple[RequestMeasurement, ...]:
+    """Per request: the client's view, with the router's TTFT (else the client's) and the
+    history it offered back (``facts``: :func:`router_request_facts`)."""
+    out = []
+    for r in results:
+        ttft, offered = facts.get(r.request_id, (None, None))
+        out.append(RequestMeasurement(
+            conversation_id=r.conversation_id, turn=r.turn, prompt_tokens=r.prompt_tokens,
+            ttft_ms=(ttft if ttft is not None else r.ttft_ms) if r.ok else None,
+            latency_ms=r.latency_ms, ok=r.ok, error=r.error, offered_tokens=offered))
+    return tuple(out)
 
 
 def summarize(config: VerifyConfig, requests: tuple[RequestMeasurement, ...], *,
@@ -193,6 +209,6 @@ def measure_config(config: VerifyConfig, backend: Backend, plans: Sequence[Conve
         after = sum_sources(prefill_urls) if before is not None else None
     reused = ((after - before).external_kv_transfer_tokens
               if after is not None and before is not None else None)
-    return summarize(config, measurements(results, ttft_from_router_spans(spans_path)),
+    return summarize(config, measurements(results, router_request_facts(spans_path)),
                      reused_tokens=reused, memory=sampler.samples,
                      blocks_total=sampler.blocks_total, wall_s=time.monotonic() - t0)

@@ -6,10 +6,13 @@ predicted share of reuse captured, set against what ``kvtune verify`` measured.
   measured p50 / predicted p50 - 1; within :data:`P50_TOLERANCE_SHARE` counts as held.
 - **Ranking**: the mode kvtune ranks first against the measured mode with the lowest p50 (one
   configuration per mode, the first measured).
-- **Reuse captured**: for the bidirectional configuration at the recommended settings, the tokens
-  the prefill loaded from the decode over the history tokens that were reusable (turns after the
-  first whose history reaches the threshold), counted in whole KV blocks (vLLM moves only full
-  blocks), against ``ttl.evidence.captured_share``; within :data:`REUSE_TOLERANCE_POINTS`.
+- **Reuse captured**: for the bidirectional configuration at the recommended settings, the history
+  the router offered back from the decode that still held it (``kv.reuse.remote_tokens`` of its
+  request spans) over the history of the turns that could be reused (turns after the first whose
+  history reaches the threshold), against ``ttl.evidence.captured_share`` (the share of such
+  history whose next turn comes within the router's TTL); within :data:`REUSE_TOLERANCE_POINTS`.
+  What the prefill then pulls is less where its own prefix cache holds the history already
+  (``reused_tokens``, from its counters, shown beside it).
 
 The predictions describe the traffic kvtune was tuned on: they are comparable when the replayed
 workload has the same shape (``kvtune verify --workload tune`` replays the embedded default's).
@@ -53,12 +56,16 @@ class ReusePrediction:
     ttl_s: float | None
     predicted_share: float
     reusable_history_tokens: int
-    """History of later turns at or over the threshold, in whole blocks of ``block_tokens``."""
+    """History (prompt minus the turn's new tokens) of the later turns at or over the threshold."""
+    offered_tokens: int | None
+    """Of that history, what the router offered back (None: its spans carry no offers)."""
     reused_tokens: int | None
+    """Tokens the prefill pulled back (its external-KV counter): the offered history its own
+    prefix cache lacked."""
     measured_share: float | None
+    """``offered_tokens / reusable_history_tokens``."""
     error_points: float | None
     held: bool | None
-    block_tokens: int
 
 
 @dataclass(frozen=True)
@@ -90,9 +97,10 @@ class PredictionCheck:
         r = self.reuse
         if r is not None:
             meas = "not measured" if r.measured_share is None else (
-                f"measured {r.measured_share:.0%} ({r.reused_tokens} of "
-                f"{r.reusable_history_tokens} reusable history tokens; {r.error_points:+.0f} "
-                f"points: {'within' if r.held else 'outside'} {self.reuse_tolerance_points:.0f})")
+                f"measured {r.measured_share:.0%} ({r.offered_tokens} of "
+                f"{r.reusable_history_tokens} reusable history tokens offered back, "
+                f"{r.reused_tokens} pulled; {r.error_points:+.0f} points: "
+                f"{'within' if r.held else 'outside'} {self.reuse_tolerance_points:.0f})")
             out.append(f"reuse captured at TTL {r.ttl_s:g} s ({r.config}): predicted "
                        f"{r.predicted_share:.0%}, {meas}")
         return out
@@ -120,23 +128,27 @@ def _matches_recommended(cfg: ConfigResult, threshold: Any, ttl: Any) -> bool:
             and abs(c.ttl_s - float(ttl)) < 1e-9)
 
 
-def reusable_history_tokens(cfg: ConfigResult, plans: Sequence[ConversationPlan], *,
-                            threshold_tokens: float, block_tokens: int) -> int:
-    """History tokens (prompt minus the turn's new user tokens) of the later turns that succeeded
-    and reach ``threshold_tokens``, each rounded down to whole blocks."""
+def reusable_history(cfg: ConfigResult, plans: Sequence[ConversationPlan], *,
+                     threshold_tokens: float) -> tuple[int, int | None]:
+    """(history tokens, of which offered back) of the later turns that succeeded and whose
+    history (prompt minus the turn's new user tokens) reaches ``threshold_tokens``; offered is
+    None when no request carries the router's offer."""
     new = {f"{p.conversation_id}#{t.turn}": len(t.user_tokens) for p in plans for t in p.turns}
-    total = 0
+    total, offered, seen = 0, 0, False
     for r in cfg.requests:
         if r.turn <= 1 or not r.ok or r.key not in new:
             continue
         history = r.prompt_tokens - new[r.key]
         if history >= threshold_tokens:
-            total += history // block_tokens * block_tokens
-    return total
+            total += history
+            if r.offered_tokens is not None:
+                seen = True
+                offered += min(r.offered_tokens, history)
+    return total, offered if seen else None
 
 
 def check(recommendation: Mapping[str, Any], measured: Sequence[ConfigResult],
-          plans: Sequence[ConversationPlan], *, block_tokens: int = 1) -> PredictionCheck | None:
+          plans: Sequence[ConversationPlan]) -> PredictionCheck | None:
     """The check of ``recommendation.json``'s predictions against ``measured`` (None when the
     recommendation holds no per-mode prediction)."""
     mode_item = _rec_item(recommendation, "mode", "mode")
@@ -175,17 +187,15 @@ def check(recommendation: Mapping[str, Any], measured: Sequence[ConfigResult],
     bidi = next((c for c in measured if c.config.mode == "bidirectional"
                  and _matches_recommended(c, thr, ttl)), None)
     if isinstance(share, (int, float)) and bidi is not None and isinstance(thr, (int, float)):
-        denom = reusable_history_tokens(bidi, plans, threshold_tokens=float(thr),
-                                        block_tokens=max(1, block_tokens))
-        got = (min(1.0, bidi.reused_tokens / denom)
-               if bidi.reused_tokens is not None and denom > 0 else None)
+        denom, offered = reusable_history(bidi, plans, threshold_tokens=float(thr))
+        got = min(1.0, offered / denom) if offered is not None and denom > 0 else None
         pts = 100.0 * (got - float(share)) if got is not None else None
         reuse = ReusePrediction(
             config=bidi.config.name, threshold_tokens=bidi.config.recompute_threshold_tokens,
             ttl_s=bidi.config.ttl_s, predicted_share=float(share),
-            reusable_history_tokens=denom, reused_tokens=bidi.reused_tokens, measured_share=got,
-            error_points=pts, held=None if pts is None else abs(pts) <= REUSE_TOLERANCE_POINTS,
-            block_tokens=max(1, block_tokens))
+            reusable_history_tokens=denom, offered_tokens=offered,
+            reused_tokens=bidi.reused_tokens, measured_share=got, error_points=pts,
+            held=None if pts is None else abs(pts) <= REUSE_TOLERANCE_POINTS)
     return PredictionCheck(P50_TOLERANCE_SHARE, REUSE_TOLERANCE_POINTS, tuple(modes),
                            first if isinstance(first, str) else None, measured_best, ranking,
                            reuse)

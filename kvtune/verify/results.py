@@ -32,6 +32,9 @@ class RequestMeasurement:
     latency_ms: float
     ok: bool
     error: str = ""
+    offered_tokens: int | None = None
+    """History the router offered the prefill back from the decode that retained it
+    (``kv.reuse.remote_tokens`` of its ``kv.request`` span; None: not traced)."""
 
     @property
     def key(self) -> str:

@@ -31,11 +31,11 @@ def run_verify(configs: Sequence[VerifyConfig], backend: Backend,
                crossover: CrossoverSpec | None = None,
                recommendation: Mapping[str, Any] | None = None, time_scale: float = 1.0,
                max_concurrency: int | None = None, progress: bool = True,
-               seed: int = 0, block_tokens: int = 1) -> VerifyResult:
+               seed: int = 0) -> VerifyResult:
     """Measure every configuration (in order) and, with ``crossover``, the crossover sweep; write
     ``verify.json`` and ``verify.html`` into ``out_dir`` and return the result. With a
     ``recommendation``, its predictions are checked against the measurements
-    (:mod:`kvtune.verify.predictions`; ``block_tokens``: the KV block size, for reuse)."""
+    (:mod:`kvtune.verify.predictions`)."""
     from tqdm import tqdm
 
     names = [c.name for c in configs]
@@ -65,7 +65,7 @@ def run_verify(configs: Sequence[VerifyConfig], backend: Backend,
     if recommendation is not None:
         from kvtune.verify.predictions import check
         result = dataclasses.replace(result, predictions=check(
-            recommendation, measured, plans, block_tokens=block_tokens))
+            recommendation, measured, plans))
     results.write(result, out / results.RESULT_FILE)
     page.write(result, out / results.PAGE_FILE)
     return result

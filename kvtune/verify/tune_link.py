@@ -78,7 +78,6 @@ def verify_tune_dir(tune_dir: str | Path, *, shaped_rate_mbit: float | None,
     """``kvtune tune --verify``: replay the embedded default's traffic (another seed) on the local
     pair under vLLM's defaults and under the recommendation just written to ``tune_dir``, on the
     same fabric, and show the verdict and the predictions' check at the top of its report."""
-    from kvtune.local.server import BLOCK_TOKENS
     from kvtune.tune.sources import PARALLEL_CONVERSATIONS, workload_plans
     from kvtune.verify import configs as C
     from kvtune.verify.backends import LocalPairBackend
@@ -90,12 +89,15 @@ def verify_tune_dir(tune_dir: str | Path, *, shaped_rate_mbit: float | None,
         raise KvtuneError(f"kvtune tune --verify: {rec_path}: no recommendation to verify")
     rec = json.loads(rec_path.read_text())
     plans = workload_plans(conversations, seed=seed)
-    backend = LocalPairBackend(shaped_rate_mbit=shaped_rate_mbit)
+    from kvtune.local.fabric import FabricSpec
+    backend = LocalPairBackend(shaped_rate_mbit=shaped_rate_mbit,
+                               description=f"local vLLM pair on {FabricSpec(shaped_rate_mbit).name} "
+                                           f"(restarted per configuration)")
     result = run_verify([C.vllm_defaults(), C.from_recommendation(rec_path, data=rec)], backend,
                         plans, tune / VERIFY_DIR,
                         workload=describe(plans, f"kvtune tune's embedded default traffic "
                                                  f"(seed {seed})"),
                         recommendation=rec, max_concurrency=PARALLEL_CONVERSATIONS,
-                        progress=progress, block_tokens=BLOCK_TOKENS, seed=seed)
+                        progress=progress, seed=seed)
     attach(result, tune)
     return result
