@@ -388,16 +388,24 @@ def test_cli_replays_span_files(tmp_path, capsys):
 def test_prefix_caching_on_the_prefill_is_a_local_hit(mode):
     cfg = two_turns(1.0).with_(mode=mode, reuse={"prefix_caching": True})
     df = simulate(cfg).requests.set_index("turn")
-    if mode == "bidirectional":  # the decode holds more (prompt + output): pulled back instead
-        assert df.loc[2, "reuse_outcome"] == S.ReuseOutcome.PULL.value
-        assert df.loc[2, "cached_tokens"] == 3050
+    if mode == "bidirectional":
+        # the decode holds 3050 (prompt + output), the prefill 2992 (whole blocks of its prompt):
+        # vLLM pulls only the 58 it lacks, and only when they reach the threshold (1024 here)
+        assert df.loc[2, "reuse_outcome"] == S.ReuseOutcome.RECOMPUTE.value
+        assert df.loc[2, "cached_tokens"] == 2992
+        low = simulate(cfg.with_(reuse={"prefix_caching": True, "threshold_tokens": 16}))
+        turn2 = low.requests.set_index("turn").loc[2]
+        assert turn2["reuse_outcome"] == S.ReuseOutcome.PULL.value
+        assert turn2["cached_tokens"] == 3050 and turn2["reverse_tokens"] == 58
     else:  # the prefill cached turn 1's prompt (whole 16-token blocks: 2992 of 3000); turn 2
         # computes the rest, the output and the new tokens
         assert df.loc[2, "cached_tokens"] == 2992
         assert df.loc[2, "computed_tokens"] == df.loc[2, "prompt_tokens"] - 2992
         # the decode's own cache holds turn 1's prompt + output (3050 -> 3040 in whole blocks):
-        # the forward transfer moves only the rest, as vLLM's decode-side prefix hit does
-        assert df.loc[2, "forward_tokens"] == df.loc[2, "prompt_tokens"] - 3040
+        # a pull's READ moves only the rest, as vLLM's decode-side prefix hit does; push's
+        # prefill WRITEs every block of the prompt (measured so on the local pair)
+        assert df.loc[2, "forward_tokens"] == df.loc[2, "prompt_tokens"] - (
+            0 if mode == "push" else 3040)
         assert df.loc[1, "forward_tokens"] == df.loc[1, "prompt_tokens"]
     if mode != "bidirectional":  # a cache smaller than the prompt keeps only a prefix of it
         small = simulate(cfg.with_(reuse={"prefix_caching": True, "prefill_cache_tokens": 1000}))

@@ -215,9 +215,9 @@ class Simulation:
         req.dinst = d.idx
         req.decode_assigned = True
         d.assigned += 1
-        if self.ru.prefix_caching and req.history:
-            # the decode's own prefix cache holds the conversation's last turn: the forward
-            # transfer moves only the whole blocks it lacks (vLLM: prompt minus the local hit)
+        if self.ru.prefix_caching and req.history and not self.early_decode:
+            # the decode's own prefix cache holds the conversation's last turn: a READ moves only
+            # the whole blocks it lacks (vLLM: prompt minus the local hit); push WRITEs them all
             held = d.cache.get(req.conv)
             if held is not None:
                 d.cache.move_to_end(req.conv)
@@ -271,7 +271,9 @@ class Simulation:
         req.retention = ret
         if req.dinst < 0:  # the next turn goes to the decode that holds its history
             self.assign_decode(req, d)
-        pulled = local < remote and remote >= self.ru.threshold_tokens
+        # vLLM pulls what its own prefix cache lacks, when that reaches the threshold
+        # (nixl/pull_scheduler.py: count = remote tokens - locally computed; pull if >= threshold)
+        pulled = local < remote and remote - local >= self.ru.threshold_tokens
         # retained blocks are reused when pulled back, or when the decode keeps them as its local
         # prefix (then the forward transfer moves only the rest); otherwise they are let go
         used = pulled or self.ru.decode_local_prefix
@@ -283,7 +285,7 @@ class Simulation:
             req.outcome, req.cached = RO.LOCAL_HIT.value, local
         elif pulled:
             req.outcome, req.cached = RO.PULL.value, remote
-            req.rev_tokens = remote
+            req.rev_tokens = remote - local
             # the prefill engine loop builds the descriptors inline at its next boundary
             p.rev_jobs.append(req)
             self.prefill_next(p, t)
