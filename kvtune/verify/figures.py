@@ -20,7 +20,7 @@ def comparison(result: VerifyResult) -> Any:
     go = _go()
     fig = make_subplots(rows=1, cols=3, column_widths=[0.5, 0.25, 0.25],
                         subplot_titles=("TTFT per request (p50, p99 with 95% intervals)",
-                                        "Reuse captured (turn 2+ prompt tokens)",
+                                        "History pulled back from the decode (share of turn 2+ prompt tokens)",
                                         "Decode KV cache in use over the replay"))
     for i, c in enumerate(result.configs):
         color = COLORS[i % len(COLORS)]

@@ -16,7 +16,7 @@ def _fmt(v: float | None, unit: str = "", digits: int = 1) -> str:
 def table_rows(result: VerifyResult) -> list[list[str]]:
     """The per-configuration table (also what the CLI prints)."""
     rows = [["config", "mode", "threshold", "TTL s", "ok/failed", "TTFT p50 ms [95%]",
-             "TTFT p99 ms [95%]", "reuse captured", "decode KV mean/max %"]]
+             "TTFT p99 ms [95%]", "history pulled back", "decode KV mean/max %"]]
     for c in result.configs:
         p50, p99 = c.ttft_p50, c.ttft_p99
         n_ok = sum(r.ok for r in c.requests)
