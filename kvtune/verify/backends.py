@@ -47,10 +47,19 @@ class LocalPairBackend:
 
     pair_factory: PairFactory | None = None
     pair_kwargs: Mapping[str, Any] = field(default_factory=dict)
-    description: str = "local vLLM pair (restarted per configuration)"
+    description: str = ""
+    """Empty: says the pair and, on a shaped link, the link's name."""
     shaped_rate_mbit: float | None = None
     """Run each pair across a shaped link at this rate (``kvtune.local.fabric.ShapedLink``, as
     ``kvtune tune --fabric shaped:RATE`` does); None: loopback."""
+
+    def __post_init__(self) -> None:
+        if not self.description:
+            on = ""
+            if self.shaped_rate_mbit is not None:
+                from kvtune.local.fabric import FabricSpec
+                on = f" on {FabricSpec(self.shaped_rate_mbit).name}"
+            self.description = f"local vLLM pair{on} (restarted per configuration)"
 
     @contextlib.contextmanager
     def deploy(self, config: VerifyConfig, workdir: Path) -> Iterator[Upstreams]:

@@ -121,10 +121,7 @@ def _backend(args: argparse.Namespace) -> Any:
     if args.fabric:
         from kvtune.local.fabric import parse_fabric
         spec = parse_fabric(args.fabric)
-        if spec.rate_mbit is not None:
-            return LocalPairBackend(pair_kwargs=kwargs, shaped_rate_mbit=spec.rate_mbit,
-                                    description=f"local vLLM pair on {spec.name} (restarted per "
-                                                f"configuration)")
+        return LocalPairBackend(pair_kwargs=kwargs, shaped_rate_mbit=spec.rate_mbit)
     return LocalPairBackend(pair_kwargs=kwargs)
 
 

@@ -142,24 +142,31 @@ def load_config(spec: str) -> VerifyConfig:
 def from_recommendation(path: Path, *, name: str = RECOMMENDED,
                         data: dict[str, Any] | None = None) -> VerifyConfig:
     """kvtune's recommendation as the exported files hold it (``never`` -> always recompute)."""
+    mode, t, ttl = _recommended(path, data if data is not None else _read(path))
+    return VerifyConfig(name, mode, t, ttl, source=str(path))
+
+
+def _recommended(where: Any, data: Any) -> tuple[str, int | None, float | None]:
+    """(mode, threshold tokens, TTL s or None) of a ``recommendation.json``'s ``recommendations``
+    as the exported files hold them (``never`` -> :data:`NEVER_THRESHOLD_TOKENS`)."""
     from kvtune.export.files import NEVER_THRESHOLD_TOKENS
 
-    data = data if data is not None else _read(path)
     recs = data.get("recommendations") if isinstance(data, dict) else None
     if not isinstance(recs, dict):
-        raise ConfigError(f"{path}: field 'recommendations': expected the object kvtune export "
+        raise ConfigError(f"{where}: field 'recommendations': expected the object kvtune export "
                           f"writes")
+
     def value(key: str) -> Any:
         item = recs.get(key)
         if not isinstance(item, dict) or "value" not in item:
-            raise ConfigError(f"{path}: field 'recommendations.{key}.value': expected a value")
+            raise ConfigError(f"{where}: field 'recommendations.{key}.value': expected a value")
         return item["value"]
     mode, threshold = value("mode"), value("kv_recompute_threshold")
     ttl = value("decoder_kv_blocks_ttl")
     t = NEVER_THRESHOLD_TOKENS if threshold == "never" else _int_or_none(
-        threshold, path, "recommendations.kv_recompute_threshold.value")
-    ttl_f = _float_or_none(ttl, path, "recommendations.decoder_kv_blocks_ttl.value")
-    return VerifyConfig(name, str(mode), t, ttl_f if ttl_f else None, source=str(path))
+        threshold, where, "recommendations.kv_recompute_threshold.value")
+    ttl_f = _float_or_none(ttl, where, "recommendations.decoder_kv_blocks_ttl.value")
+    return str(mode), t, ttl_f if ttl_f else None
 
 
 def from_kv_transfer_config(data: dict[str, Any], *, name: str, source: str) -> VerifyConfig:
@@ -211,18 +218,9 @@ def per_mode(recommendation: dict[str, Any], have: list[VerifyConfig]) -> list[V
     """One configuration per mode the recommendation priced (pull, push, bidirectional at the
     recommended threshold and TTL, as its predictions assume), leaving out the modes ``have``
     already covers with those settings (e.g. ``defaults`` is pull)."""
-    from kvtune.export.files import NEVER_THRESHOLD_TOKENS
-
-    recs = recommendation.get("recommendations") if isinstance(recommendation, dict) else None
-    if not isinstance(recs, dict):
-        raise ConfigError("verify --modes: the recommendation has no 'recommendations' object")
-    thr = (recs.get("kv_recompute_threshold") or {}).get("value")
-    ttl = (recs.get("decoder_kv_blocks_ttl") or {}).get("value")
-    t = NEVER_THRESHOLD_TOKENS if thr == "never" else _int_or_none(
-        thr, "recommendation", "recommendations.kv_recompute_threshold.value")
-    ttl_f = _float_or_none(ttl, "recommendation", "recommendations.decoder_kv_blocks_ttl.value")
+    _, t, ttl = _recommended("verify --modes: the recommendation", recommendation)
     wanted = [VerifyConfig(m, m, t if m == "bidirectional" else None,
-                           (ttl_f or None) if m == "bidirectional" else None,
+                           ttl if m == "bidirectional" else None,
                            source="kvtune verify --modes (recommended threshold and TTL)")
               for m in MODES]
     covered = {(c.mode, c.recompute_threshold_tokens, c.ttl_s) for c in have}

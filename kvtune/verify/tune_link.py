@@ -89,10 +89,7 @@ def verify_tune_dir(tune_dir: str | Path, *, shaped_rate_mbit: float | None,
         raise KvtuneError(f"kvtune tune --verify: {rec_path}: no recommendation to verify")
     rec = json.loads(rec_path.read_text())
     plans = workload_plans(conversations, seed=seed)
-    from kvtune.local.fabric import FabricSpec
-    backend = LocalPairBackend(shaped_rate_mbit=shaped_rate_mbit,
-                               description=f"local vLLM pair on {FabricSpec(shaped_rate_mbit).name} "
-                                           f"(restarted per configuration)")
+    backend = LocalPairBackend(shaped_rate_mbit=shaped_rate_mbit)
     result = run_verify([C.vllm_defaults(), C.from_recommendation(rec_path, data=rec)], backend,
                         plans, tune / VERIFY_DIR,
                         workload=describe(plans, f"kvtune tune's embedded default traffic "
