@@ -119,6 +119,25 @@ def test_driver_sends_growing_history_with_real_outputs(standin):
             history = body["prompt"] + list(r.output_token_ids)
 
 
+def test_unlinked_conversations_send_each_turn_under_its_own_id(standin):
+    import dataclasses
+
+    plans = generate(SMALL)
+    plans = [dataclasses.replace(plans[0], link_turns=False), *plans[1:]]
+    url = f"http://127.0.0.1:{standin.server_address[1]}"
+    results = run_workload(plans, HttpTarget(url), time_scale=0.0, progress=False)
+    sent = {rid: conv for conv, rid, _ in standin.seen}
+    for r in results:
+        plan = next(p for p in plans if p.conversation_id == r.conversation_id)
+        want = (plan.conversation_id if plan.link_turns
+                else f"{plan.conversation_id}.t{r.turn}")
+        assert sent[r.request_id] == want
+    # the unlinked conversation still carries its history (only the router's link is cut)
+    mine = sorted((r for r in results if r.conversation_id == plans[0].conversation_id),
+                  key=lambda r: r.turn)
+    assert len(mine) == len(plans[0].turns) >= 2 and mine[1].prompt_tokens > mine[0].prompt_tokens
+
+
 def test_a_failed_request_ends_only_its_conversation(standin):
     plans = generate(SMALL)
     standin.fail_conv = plans[1].conversation_id

@@ -163,6 +163,32 @@ def test_mode_choices_and_exclusions():
     assert rec.value in ("pull", "push") and "bidirectional" in rec.evidence.excluded
 
 
+def test_a_close_call_between_modes_is_simulated_again_on_a_larger_sample(monkeypatch):
+    import kvtune.recommend.mode as M
+
+    calls = []
+
+    def fake_simulated(*args, max_requests, **kwargs):
+        calls.append(max_requests)
+        close = max_requests == M.DEFAULT_MAX_REQUESTS  # first sample: push and bidi 0.5% apart
+        ttft = {"pull": (300.0, 400.0), "push": (200.0, 260.0),
+                "bidirectional": (201.0 if close else 180.0, 250.0)}
+        return ttft, ()
+    monkeypatch.setattr(M, "_simulated", fake_simulated)
+    kw = dict(bytes_per_token=BPT, descriptors_per_token=0)
+    rec, _ = recommend_mode(_workload(**W3), _fit(), _prefill(), threshold=50, ttl_s=44, **kw)
+    assert calls == [M.DEFAULT_MAX_REQUESTS, M.CLOSE_CALL_MAX_REQUESTS]
+    assert rec.value == "bidirectional" and any("compared again" in a for a in rec.assumptions)
+    # a clear call is made on the first sample
+    calls.clear()
+    monkeypatch.setattr(M, "_simulated", lambda *a, max_requests, **k: (
+        calls.append(max_requests) or ({"pull": (300.0, 1.0), "push": (200.0, 1.0),
+                                        "bidirectional": (250.0, 1.0)}, ())))
+    rec, _ = recommend_mode(_workload(**W3), _fit(), _prefill(), threshold=50, ttl_s=44, **kw)
+    assert calls == [M.DEFAULT_MAX_REQUESTS] and rec.value == "push"
+    assert not any("compared again" in a for a in rec.assumptions)
+
+
 @pytest.fixture(scope="module")
 def case_spans():
     case = syn.SyntheticCase(workload=syn.SyntheticWorkload(n_conversations=30))

@@ -240,6 +240,20 @@ def test_spec_from_workload_summary():
         spec_from_workload(SimpleNamespace(qps=None, prompt_tokens_p50=1))
 
 
+def test_spec_from_workload_draws_sessions_as_traced():
+    # two-turn sessions (the public reuse benchmark's users): a geometric law with mean 2 would
+    # make half of them single-turn and some 4+ turns; the traced counts are what is played
+    base = dict(n_requests=40, qps=1.0, prompt_tokens_p50=4000, prompt_tokens_p90=4000,
+                output_tokens_p50=200, turns_per_conversation_mean=2.0, gaps_s=(3.0,) * 20,
+                duration_s=60.0)
+    assert spec_from_workload(SimpleNamespace(**base, turns_per_conversation=(2,) * 20)
+                              ).turns == Dist.fixed(2)
+    mixed = spec_from_workload(SimpleNamespace(**base, turns_per_conversation=(1, 3, 3)))
+    assert mixed.turns == Dist("empirical", (1.0, 3.0, 3.0))
+    geometric = spec_from_workload(SimpleNamespace(**base))
+    assert geometric.turns.kind == "empirical" and len(set(geometric.turns.params)) > 3
+
+
 def _sim_for_spans(mode: str):
     if mode == "bidirectional":
         return simulate(two_turns(1.0).with_(workload={"duration_s": 10.0, "qps": 1.0}))

@@ -98,9 +98,13 @@ def test_missing_spec_and_bad_names(tmp_path):
 
 
 def test_workload_file_round_trip(tmp_path):
+    import dataclasses
+
     plans = generate(WorkloadConfig(n_conversations=3, seed=4))
+    plans[1] = dataclasses.replace(plans[1], link_turns=False)
     path = W.save(plans, tmp_path / "w.json")
     assert W.load(path) == plans
+    assert [p.link_turns for p in W.load(path)] == [True, False, True]
 
 
 def _doc(**conv):
@@ -128,6 +132,7 @@ def test_workload_from_json_accepts_the_documented_example():
     (_doc(turns=[{"user_tokens": [-1], "max_tokens": 2}]), "non-negative integer token ids"),
     (_doc(turns=[{"user_tokens": [], "max_tokens": 2}]), "non-empty list of token ids"),
     (_doc(system_tokens="abc"), "system_tokens"),
+    (_doc(link_turns="no"), "link_turns"),
 ])
 def test_bad_workloads_name_the_field(data, match):
     with pytest.raises(ConfigError, match=match):

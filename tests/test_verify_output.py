@@ -195,11 +195,20 @@ def test_kv_usage_and_summary_are_pure():
 def test_crossover_plans_and_lengths():
     spec = X.CrossoverSpec((32, 256), repeats=3)
     plans = X.plans(spec)
-    assert len(plans) == 6 and plans == X.plans(spec)
-    for p in plans:
-        h = X.history_of(p.conversation_id)
+    assert len(plans) == 12 and plans == X.plans(spec)
+    arms = [X.history_of(p.conversation_id) for p in plans]
+    # each (length, repeat) has both arms, back to back; only the reuse-on arm links its turns
+    assert sorted(arms) == sorted((h, a) for h in (32, 256) for _ in range(3) for a in ("on", "off"))
+    for a, b in zip(plans[::2], plans[1::2]):
+        assert a.conversation_id.rsplit("-", 1)[0] == b.conversation_id.rsplit("-", 1)[0]
+        assert {a.link_turns, b.link_turns} == {True, False}
+    for p, (h, arm) in zip(plans, arms):
         t1, t2 = p.turns
         assert len(t1.user_tokens) + t1.max_tokens == h and t2.max_tokens == 1
+        assert p.link_turns == (arm == "on")
+        assert (p.router_conversation_id(2) == p.router_conversation_id(1)) == (arm == "on")
+    cfg = spec.config()
+    assert (cfg.mode, cfg.recompute_threshold_tokens) == ("bidirectional", X.REUSE_ON_THRESHOLD_TOKENS)
     grid = X.lengths_around(55, (17, 74))
     assert grid[0] <= 17 and grid[-1] >= 220 and list(grid) == sorted(set(grid))
     assert X.lengths_around(None)[-1] <= X.MAX_HISTORY_TOKENS

@@ -59,6 +59,8 @@ class Workload:
     prompt_tokens: tuple[int, ...] = field(default=(), repr=False)
     requests: tuple[TracedRequest, ...] = field(default=(), repr=False)
     """Per request with a known prompt length (first turns: history 0, gap NaN)."""
+    turns_per_conversation: tuple[int, ...] = field(default=(), repr=False)
+    """Turns of each conversation (1 for a request without a conversation id)."""
     source: str = ""
 
     def as_dict(self) -> dict:
@@ -194,4 +196,5 @@ def workload(spans: pd.DataFrame) -> Workload:
         turns_per_conversation_mean=float(np.mean(turns)) if turns else 0.0,
         gaps_s=tuple(gaps), reuse_outcomes=outcomes, duration_s=end_s,
         n_conversations=len(turns), gap_tokens=tuple(gap_tokens), final_tokens=tuple(final_tokens),
-        prompt_tokens=tuple(int(p) for p in prompts), requests=tuple(per_request), source=source)
+        prompt_tokens=tuple(int(p) for p in prompts), requests=tuple(per_request),
+        turns_per_conversation=tuple(int(t) for t in turns), source=source)

@@ -96,6 +96,14 @@ class ConversationPlan:
     """Offset of the first request from the start of the run, seconds."""
     system_tokens: tuple[int, ...]
     turns: tuple[TurnPlan, ...]
+    link_turns: bool = True
+    """Send every turn under ``conversation_id`` (the router links them: in bidirectional mode
+    it offers the history back). False: each turn goes under an id of its own
+    (``<conversation_id>.t<turn>``), so nothing links them and the history is recomputed."""
+
+    def router_conversation_id(self, turn: int) -> str:
+        """The conversation id turn ``turn`` is sent under."""
+        return self.conversation_id if self.link_turns else f"{self.conversation_id}.t{turn}"
 
 
 def generate(config: WorkloadConfig = WorkloadConfig()) -> list[ConversationPlan]:
@@ -228,7 +236,8 @@ def run_workload(plans: Sequence[ConversationPlan], target: Target, *,
             sent = time.monotonic()
             try:
                 out, ttft = target.send(prompt, tp.max_tokens, request_id=rid,
-                                        conversation_id=plan.conversation_id, turn=tp.turn)
+                                        conversation_id=plan.router_conversation_id(tp.turn),
+                                        turn=tp.turn)
             except (client.HttpError, LocalPairError, OSError) as exc:
                 record(RequestResult(plan.conversation_id, tp.turn, rid, len(prompt), 0,
                                      sent - t0, (time.monotonic() - sent) * 1e3, None, False,

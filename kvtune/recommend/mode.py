@@ -32,7 +32,7 @@ from kvtune.errors import SimError
 from kvtune.recommend.evidence import ModeEvidence, TtftMs
 from kvtune.recommend.results import NEVER, Finding, Recommendation
 from kvtune.sim.calibrate import SimInput
-from kvtune.sim.estimate import calibrate, ttft_per_mode
+from kvtune.sim.estimate import DEFAULT_MAX_REQUESTS, calibrate, ttft_per_mode
 from kvtune.vllm_pd import router_ttl_s
 
 logger = logging.getLogger(__name__)
@@ -47,6 +47,11 @@ MIN_GAIN_SHARE = 0.02
 """Another mode must beat pull's p50 by more than 2% to be worth its constraints."""
 MAX_UTILISATION = 0.95
 """Prefill utilisation is capped here for the queueing term (beyond it the queue has no mean)."""
+CLOSE_CALL_SHARE = 0.02
+"""Simulated p50s of the two fastest modes within 2% of each other: a call the default sample
+cannot make (mode p50s move by about that much from one sample of the traffic to another)."""
+CLOSE_CALL_MAX_REQUESTS = 4 * DEFAULT_MAX_REQUESTS
+"""Requests per mode for a close call (a sample four times larger halves the noise)."""
 
 
 def _analytic(workload: Workload, fit: FloorFit, prefill: PrefillCost, *, bytes_per_token: float,
@@ -95,10 +100,11 @@ def _simulated(workload: Workload, fit: FloorFit, prefill: PrefillCost, *, bytes
                descriptors_per_token: float, ttl_s: float | None, threshold_tokens: int | None,
                prefill_instances: int, fit_source: str, prefix_caching: bool | None = None,
                prefix_caching_source: str = "setting", first_step_ms: float | None = None,
-               first_step_source: str = "measured"
+               first_step_source: str = "measured", max_requests: int = DEFAULT_MAX_REQUESTS
                ) -> tuple[SimTtft, tuple[SimInput, ...]]:
     """(p50, p99) per mode from the simulator, and the numbers it played with their sources."""
-    cal = calibrate(workload, fit, prefill, ttl_s=ttl_s, threshold_tokens=threshold_tokens,
+    cal = calibrate(workload, fit, prefill, max_requests=max_requests, ttl_s=ttl_s,
+                    threshold_tokens=threshold_tokens,
                     bytes_per_token=bytes_per_token,
                     descriptors_per_token=descriptors_per_token or None,  # 0: not measured
                     fit_source=fit_source, prefill_instances=prefill_instances,
@@ -106,6 +112,12 @@ def _simulated(workload: Workload, fit: FloorFit, prefill: PrefillCost, *, bytes
                     first_step_ms=first_step_ms, first_step_source=first_step_source)
     res = ttft_per_mode(cal.config)
     return {m.value: (float(v.p50_ms), float(v.p99_ms)) for m, v in res.items()}, cal.inputs
+
+
+def _close(sim: SimTtft) -> bool:
+    """Whether the two fastest simulated modes' p50 lie within :data:`CLOSE_CALL_SHARE`."""
+    p50s = sorted(v[0] for v in sim.values() if math.isfinite(v[0]))
+    return len(p50s) >= 2 and p50s[1] <= p50s[0] * (1.0 + CLOSE_CALL_SHARE)
 
 
 def _pick(ttft: dict[str, tuple[float, float]], allowed: list[str]) -> str:
@@ -175,15 +187,23 @@ def recommend_mode(workload: Workload, fit: FloorFit, prefill: PrefillCost, *,
     model = "analytic"
     sim: SimTtft | None = None
     inputs: tuple[SimInput, ...] | None = None
+    close_call = False
     if use_simulator and ttft:
         try:
-            sim, inputs = _simulated(
-                workload, fit, prefill, bytes_per_token=bytes_per_token,
-                descriptors_per_token=descriptors_per_token, ttl_s=ttl_s if ttl_s > 0 else None,
-                threshold_tokens=None if thr == math.inf else int(thr),
-                prefill_instances=prefill_instances, fit_source=fit_source,
-                prefix_caching=prefix_caching, prefix_caching_source=prefix_caching_source,
-                first_step_ms=first_step_ms, first_step_source=first_step_source)
+            def simulated(n: int) -> tuple[SimTtft, tuple[SimInput, ...]]:
+                return _simulated(
+                    workload, fit, prefill, bytes_per_token=bytes_per_token,
+                    descriptors_per_token=descriptors_per_token,
+                    ttl_s=ttl_s if ttl_s > 0 else None,
+                    threshold_tokens=None if thr == math.inf else int(thr),
+                    prefill_instances=prefill_instances, fit_source=fit_source,
+                    prefix_caching=prefix_caching, prefix_caching_source=prefix_caching_source,
+                    first_step_ms=first_step_ms, first_step_source=first_step_source,
+                    max_requests=n)
+            sim, inputs = simulated(DEFAULT_MAX_REQUESTS)
+            if _close(sim):  # two modes within the sample's noise: settle it on a larger sample
+                close_call = True
+                sim, inputs = simulated(CLOSE_CALL_MAX_REQUESTS)
         except SimError as exc:  # the traced workload cannot be simulated: keep to the analytic
             logger.warning("kvtune.sim failed; using the analytic model", exc_info=True)
             findings.append(Finding("simulator_failed", "info",
@@ -246,6 +266,10 @@ def recommend_mode(workload: Workload, fit: FloorFit, prefill: PrefillCost, *,
             "on the simulator calibrated with the floor and prefill fits; "
             f"{n_preset} of its inputs come from the preset (listed in evidence.sim_inputs)",
         )
+        if close_call:
+            assumptions += (f"the two fastest modes came within {CLOSE_CALL_SHARE:.0%} of each "
+                            f"other on {DEFAULT_MAX_REQUESTS} simulated requests: compared again "
+                            f"on {CLOSE_CALL_MAX_REQUESTS}",)
         if agree is False:
             assumptions += (f"the analytic model picks {analytic_best}: the range holds both",)
     assumptions += (f"another mode must beat pull's p50 by more than {MIN_GAIN_SHARE:.0%}",)

@@ -227,13 +227,15 @@ def requests_frame(requests: Any) -> pd.DataFrame:
 def spec_from_workload(workload: Workload, *, duration_s: float | None = None) -> WorkloadSpec:
     """A :class:`WorkloadSpec` from a measured summary (``kvtune.analysis.Workload``; fields read:
     ``qps, prompt_tokens_p50, prompt_tokens_p90, output_tokens_p50,
-    turns_per_conversation_mean, gaps_s, duration_s, requests``; missing optional ones take
+    turns_per_conversation_mean, turns_per_conversation, gaps_s, duration_s, requests``; missing
+    optional ones take
     defaults).
 
     First-turn prompts and the tokens later turns add are drawn from ``workload.requests``
     (``kvtune.analysis.TracedRequest``) when present. Otherwise: first-turn prompts are
     log-normal through p50 and p90 and a later turn adds ``NEW_TOKENS_SHARE`` of the median
-    prompt. Outputs are fixed at p50; turns per conversation are geometric with the measured mean;
+    prompt. Outputs are fixed at p50; turns per conversation are drawn from the traced
+    conversations (``turns_per_conversation``; without it, geometric with the measured mean);
     think times are drawn from the measured gaps.
     """
     def num(name: str, default: float | None = None) -> float:
@@ -255,7 +257,12 @@ def spec_from_workload(workload: Workload, *, duration_s: float | None = None) -
     prompt = Dist("lognormal", (p50, sigma)) if sigma > 0 else Dist.fixed(p50)
     out = Dist.fixed(max(1.0, num("output_tokens_p50", 128)))
     mean_turns = max(1.0, num("turns_per_conversation_mean", 1.0))
-    if mean_turns > 1.0:
+    measured_turns = tuple(float(t) for t in (getattr(workload, "turns_per_conversation", None)
+                                              or ()) if t >= 1)
+    if measured_turns:  # as traced: a geometric law would split fixed-length sessions
+        turns = (Dist("empirical", measured_turns) if len(set(measured_turns)) > 1
+                 else Dist.fixed(measured_turns[0]))
+    elif mean_turns > 1.0:
         g = np.random.default_rng(0).geometric(1.0 / mean_turns, GEOMETRIC_SAMPLE)
         turns = Dist("empirical", tuple(float(x) for x in g))
     else:

@@ -1,12 +1,21 @@
-"""The measured recompute/pull crossover: turn-2 TTFT over history lengths with reuse forced on
-(``kv_recompute_threshold`` 1: every history is pulled back from the decode) and forced off (a
-threshold no history reaches: always recomputed), both in bidirectional mode.
+"""The measured recompute/pull crossover: turn-2 TTFT over history lengths with reuse on (the
+router offers the history back and ``kv_recompute_threshold`` is 1: every history is pulled back
+from the decode) and off (the router offers nothing: the prefill recomputes the history).
 
 Each swept conversation has two turns. Turn 1 sends a short prompt (under one 128-token block,
 so the prefill's own prefix cache keeps none of it) and asks for ``history - prompt`` output
 tokens; turn 2 sends that history plus a short follow-up. The history the prefill can pull back
 is then the whole turn-1 prompt and output, and turn 2's TTFT is recompute vs pull of that many
-tokens. Conversations run one at a time, lengths interleaved (so drift does not follow length).
+tokens.
+
+Both arms run on one deployment (bidirectional, threshold 1), paired: every (length, repeat)
+has a reuse-on and a reuse-off conversation, sent back to back in a random order, one
+conversation at a time, the pairs shuffled (so neither drift nor the deployment's start follows
+the arm or the length). The off arm's turns each go to the router as a conversation of their own
+(``ConversationPlan.link_turns`` False), so the router has no history to offer. An earlier
+design ran the arms on two deployments (threshold 1 vs never): each start of the pair carries
+its own offset of a few milliseconds, larger than the short histories' difference, and the
+sweep then measured that offset.
 """
 from __future__ import annotations
 
@@ -30,6 +39,7 @@ MAX_HISTORY_TOKENS: Final = 1900
 """Longest swept history: the local pair's ``--max-model-len`` is 2048 (room for the follow-up)."""
 MIN_HISTORY_TOKENS: Final = 16
 ID_PREFIX: Final = "xo"
+REUSE_ARMS: Final = ("on", "off")
 
 
 @dataclass(frozen=True)
@@ -60,13 +70,11 @@ class CrossoverSpec:
             raise ConfigError("crossover: prompt_tokens expected 1..127 (under one block) and "
                               "follow_up_tokens >= 1")
 
-    def configs(self) -> tuple[VerifyConfig, VerifyConfig]:
-        from kvtune.export.files import NEVER_THRESHOLD_TOKENS
-
-        return (VerifyConfig("reuse-on", "bidirectional", REUSE_ON_THRESHOLD_TOKENS, self.ttl_s,
-                             source="crossover sweep: every history pulled back"),
-                VerifyConfig("reuse-off", "bidirectional", NEVER_THRESHOLD_TOKENS, self.ttl_s,
-                             source="crossover sweep: every history recomputed"))
+    def config(self) -> VerifyConfig:
+        """The one deployment both arms run on."""
+        return VerifyConfig("crossover", "bidirectional", REUSE_ON_THRESHOLD_TOKENS, self.ttl_s,
+                            source="crossover sweep: reuse-on conversations pull every history "
+                                   "back; reuse-off conversations are offered none")
 
 
 def lengths_around(break_even_tokens: float | None, range_tokens: Sequence[float] | None = None,
@@ -89,7 +97,8 @@ def lengths_around(break_even_tokens: float | None, range_tokens: Sequence[float
 
 
 def plans(spec: CrossoverSpec) -> list[ConversationPlan]:
-    """The sweep's conversations (deterministic), lengths interleaved."""
+    """The sweep's conversations (deterministic): per (length, repeat) a reuse-on and a
+    reuse-off conversation, adjacent, in a random order; the pairs shuffled."""
     rng = random.Random(spec.seed)
 
     def tokens(k: int) -> tuple[int, ...]:
@@ -97,27 +106,35 @@ def plans(spec: CrossoverSpec) -> list[ConversationPlan]:
 
     order = [(h, r) for r in range(spec.repeats) for h in spec.lengths_tokens]
     rng.shuffle(order)
-    return [ConversationPlan(
-        conversation_id=f"{ID_PREFIX}-{h}-{r}", start_s=0.0, system_tokens=(),
-        turns=(TurnPlan(1, tokens(spec.prompt_tokens), h - spec.prompt_tokens, 0.0),
-               TurnPlan(2, tokens(spec.follow_up_tokens), 1, spec.think_time_s)))
-        for h, r in order]
+    out = []
+    for h, r in order:
+        arms = list(REUSE_ARMS)
+        rng.shuffle(arms)
+        for arm in arms:
+            out.append(ConversationPlan(
+                conversation_id=f"{ID_PREFIX}-{h}-{r}-{arm}", start_s=0.0, system_tokens=(),
+                turns=(TurnPlan(1, tokens(spec.prompt_tokens), h - spec.prompt_tokens, 0.0),
+                       TurnPlan(2, tokens(spec.follow_up_tokens), 1, spec.think_time_s)),
+                link_turns=arm == "on"))
+    return out
 
 
-def history_of(conversation_id: str) -> int | None:
+def history_of(conversation_id: str) -> tuple[int, str] | None:
+    """(history tokens, arm) of a sweep conversation's id, else None."""
     parts = conversation_id.split("-")
-    if len(parts) == 3 and parts[0] == ID_PREFIX and parts[1].isdigit():
-        return int(parts[1])
+    if (len(parts) == 4 and parts[0] == ID_PREFIX and parts[1].isdigit()
+            and parts[3] in REUSE_ARMS):
+        return int(parts[1]), parts[3]
     return None
 
 
-def points(on: ConfigResult, off: ConfigResult) -> tuple[CrossoverPoint, ...]:
+def points(result: ConfigResult) -> tuple[CrossoverPoint, ...]:
+    """Turn 2 of every sweep conversation that succeeded, with the history the router offered."""
     out = []
-    for label, res in (("on", on), ("off", off)):
-        for r in res.requests:
-            h = history_of(r.conversation_id)
-            if r.turn == 2 and r.ok and r.ttft_ms is not None and h is not None:
-                out.append(CrossoverPoint(h, label, float(r.ttft_ms)))
+    for r in result.requests:
+        ha = history_of(r.conversation_id)
+        if r.turn == 2 and r.ok and r.ttft_ms is not None and ha is not None:
+            out.append(CrossoverPoint(ha[0], ha[1], float(r.ttft_ms), r.offered_tokens))
     return tuple(out)
 
 
@@ -142,6 +159,8 @@ def analyze(pts: Sequence[CrossoverPoint], rec: Mapping[str, Any] | None = None,
     on: dict[int, list[float]] = {}
     off: dict[int, list[float]] = {}
     for p in pts:
+        if p.reuse == "on" and p.offered_tokens == 0:
+            continue  # the router had nothing to offer (expired, or its store failed): not reuse
         (on if p.reuse == "on" else off).setdefault(p.history_tokens, []).append(p.ttft_ms)
     est = stats.crossover(on, off, seed=seed)
     value, rng, be = recommended_threshold(rec)
@@ -158,13 +177,11 @@ def analyze(pts: Sequence[CrossoverPoint], rec: Mapping[str, Any] | None = None,
 
 def run_crossover(spec: CrossoverSpec, backend: Backend, workdir: Path, *,
                   recommendation: Mapping[str, Any] | None = None,
-                  progress: bool = True) -> tuple[CrossoverResult, tuple[ConfigResult, ...]]:
-    """Run the sweep under both configurations and analyse it."""
+                  progress: bool = True) -> tuple[CrossoverResult, ConfigResult]:
+    """Run the sweep (both arms on one deployment) and analyse it."""
     from kvtune.verify.measure import measure_config
 
-    conv = plans(spec)
-    on_cfg, off_cfg = spec.configs()
-    results = tuple(measure_config(c, backend, conv, workdir / f"crossover-{c.name}",
-                                   max_concurrency=1, progress=progress)
-                    for c in (on_cfg, off_cfg))
-    return analyze(points(*results), recommendation, seed=spec.seed), results
+    cfg = spec.config()
+    result = measure_config(cfg, backend, plans(spec), workdir / f"crossover-{cfg.name}",
+                            max_concurrency=1, progress=progress)
+    return analyze(points(result), recommendation, seed=spec.seed), result

@@ -91,8 +91,11 @@ class Comparison:
 class CrossoverPoint:
     history_tokens: int
     reuse: str
-    """``"on"`` (threshold 1: every history pulled back) or ``"off"`` (never pulled)."""
+    """``"on"`` (the router offered the history back; threshold 1: pulled) or ``"off"`` (offered
+    none: recomputed)."""
     ttft_ms: float
+    offered_tokens: int | None = None
+    """History the router offered back for this turn (None: not traced, or an older file)."""
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,8 @@ Format (``FORMAT`` = ``kvtune.workload/1``)::
                   {"user_tokens": [10], "max_tokens": 8, "think_time_s": 2.5}]}]}
 
 Token ids are non-negative integers; ``turn`` numbers are implied by order (from 1); the first
-turn's ``think_time_s`` must be 0. Turn k's prompt is the system tokens, every earlier user
+turn's ``think_time_s`` must be 0. A conversation may say ``"link_turns": false`` (default true):
+its turns then reach the router as unrelated requests, so no history is offered back. Turn k's prompt is the system tokens, every earlier user
 message and every earlier actual output, then the new user message (as
 :mod:`kvtune.local.workload` sends it). Sizes are capped (:data:`MAX_FILE_BYTES` and friends).
 """
@@ -38,7 +39,8 @@ def to_json(plans: Sequence[ConversationPlan]) -> dict[str, Any]:
         {"conversation_id": p.conversation_id, "start_s": p.start_s,
          "system_tokens": list(p.system_tokens),
          "turns": [{"user_tokens": list(t.user_tokens), "max_tokens": t.max_tokens,
-                    "think_time_s": t.think_time_s} for t in p.turns]} for p in plans]}
+                    "think_time_s": t.think_time_s} for t in p.turns],
+         **({} if p.link_turns else {"link_turns": False})} for p in plans]}
 
 
 def save(plans: Sequence[ConversationPlan], path: str | Path) -> Path:
@@ -106,10 +108,13 @@ def from_json(data: Any, *, source: str = "workload") -> list[ConversationPlan]:
             turns.append(TurnPlan(turn=k, user_tokens=_tokens(t.get("user_tokens"),
                                                               f"{tw}.user_tokens'", empty=False),
                                   max_tokens=mt, think_time_s=think))
+        link = c.get("link_turns", True)
+        if not isinstance(link, bool):
+            raise ConfigError(f"{where}.link_turns': expected true or false, got {link!r}"[:300])
         plans.append(ConversationPlan(conversation_id=cid, start_s=start,
                                       system_tokens=_tokens(c.get("system_tokens", []),
                                                             f"{where}.system_tokens'", empty=True),
-                                      turns=tuple(turns)))
+                                      turns=tuple(turns), link_turns=link))
     return sorted(plans, key=lambda p: p.start_s)
 
 
