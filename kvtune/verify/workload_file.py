@@ -11,9 +11,10 @@ Format (``FORMAT`` = ``kvtune.workload/1``)::
 
 Token ids are non-negative integers; ``turn`` numbers are implied by order (from 1); the first
 turn's ``think_time_s`` must be 0. A conversation may say ``"link_turns": false`` (default true):
-its turns then reach the router as unrelated requests, so no history is offered back. Turn k's prompt is the system tokens, every earlier user
-message and every earlier actual output, then the new user message (as
-:mod:`kvtune.local.workload` sends it). Sizes are capped (:data:`MAX_FILE_BYTES` and friends).
+its turns then reach the router as unrelated requests, so no history is offered back. Turn k's
+prompt is the system tokens, every earlier user message and every earlier actual output, then
+the new user message (as :mod:`kvtune.local.workload` sends it). Sizes are capped
+(:data:`MAX_FILE_BYTES` and friends).
 """
 from __future__ import annotations
 
