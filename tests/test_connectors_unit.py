@@ -271,3 +271,18 @@ def test_emitter_builds_no_attributes_for_non_recording_spans() -> None:
         raise AssertionError("attributes built for a span nobody records")
 
     em.emit(spans.SpanName.RDMA, derived_span_context("r"), 1, 2, attrs)
+
+
+@pytest.mark.parametrize("prompt,block_ids,block_size,expected", [
+    (2616, ([7],), 128, 56),            # later turn: the decode lacked only the last, partial block
+    (2560, (list(range(20)),), 128, 2560),  # first turn: every block
+    (232, [[3]], 128, 104),             # flat-or-grouped lists both read by their first group
+    (568, ([1], [2]), 128, 56),         # two KV groups: blocks per group, not summed
+    (64, ([1],), None, 64),             # block size unknown: the prompt, unchanged
+    (None, ([1],), 128, None),
+])
+def test_pushed_tokens_are_the_blocks_the_decode_registered(prompt, block_ids, block_size,
+                                                            expected) -> None:
+    from kvtune.connectors.observer import pushed_tokens
+
+    assert pushed_tokens(prompt, block_ids, block_size) == expected

@@ -416,10 +416,10 @@ def test_prefix_caching_on_the_prefill_is_a_local_hit(mode):
         assert df.loc[2, "cached_tokens"] == 2992
         assert df.loc[2, "computed_tokens"] == df.loc[2, "prompt_tokens"] - 2992
         # the decode's own cache holds turn 1's prompt + output (3050 -> 3040 in whole blocks):
-        # a pull's READ moves only the rest, as vLLM's decode-side prefix hit does; push's
-        # prefill WRITEs every block of the prompt (measured so on the local pair)
-        assert df.loc[2, "forward_tokens"] == df.loc[2, "prompt_tokens"] - (
-            0 if mode == "push" else 3040)
+        # a pull's READ moves only the rest, as vLLM's decode-side prefix hit does, and push
+        # registers only the blocks it lacks, so the prefill WRITEs only those (kv.bytes of the
+        # push WRITEs on the local pair: one block for a turn adding 56 tokens to 2560)
+        assert df.loc[2, "forward_tokens"] == df.loc[2, "prompt_tokens"] - 3040
         assert df.loc[1, "forward_tokens"] == df.loc[1, "prompt_tokens"]
     if mode != "bidirectional":  # a cache smaller than the prompt keeps only a prefix of it
         small = simulate(cfg.with_(reuse={"prefix_caching": True, "prefill_cache_tokens": 1000}))

@@ -176,6 +176,65 @@ def test_router_spans_give_ttft_by_client_request_id():
         round(r.ttft_ms, 6) for r in recorded.configs[0].requests)
 
 
+def _otlp_line(service: str, spans_: list[tuple[str, str, int, int, dict]]) -> str:
+    def attr(k, v):
+        return {"key": k, "value": {"intValue": str(v)} if isinstance(v, int)
+                else {"stringValue": v}}
+    return json.dumps({"resourceSpans": [{
+        "resource": {"attributes": [attr("service.name", service)]},
+        "scopeSpans": [{"scope": {"name": "kvtune"}, "spans": [
+            {"traceId": tid, "spanId": f"{i + 1:016x}", "name": name, "kind": 1,
+             "startTimeUnixNano": str(start), "endTimeUnixNano": str(end),
+             "attributes": [attr(k, v) for k, v in a.items()]}
+            for i, (tid, name, start, end, a) in enumerate(spans_)]}]}]}) + "\n"
+
+
+def test_ttft_to_the_decodes_first_step_joins_router_and_engine_spans(tmp_path):
+    from kvtune import spans as S
+
+    t1, t2, t3 = "a" * 32, "b" * 32, "c" * 32
+    ms = 1_000_000
+    router = tmp_path / "router.jsonl"
+    router.write_text(_otlp_line("kvtune-router", [
+        (t1, S.SpanName.REQUEST.value, 0, 90 * ms, {S.CLIENT_REQUEST_ID: "r1", S.ROLE: "router"}),
+        (t2, S.SpanName.REQUEST.value, 5 * ms, 70 * ms, {S.CLIENT_REQUEST_ID: "r2",
+                                                         S.ROLE: "router"}),
+        (t3, S.SpanName.REQUEST.value, 0, 50 * ms, {S.CLIENT_REQUEST_ID: "r3",
+                                                    S.ROLE: "router"})]))
+    engines = tmp_path / "spans"
+    engines.mkdir()
+    (engines / "decode.jsonl").write_text(_otlp_line("kvtune-decode", [
+        (t1, S.SpanName.DECODE_START.value, 30 * ms, 32 * ms, {S.ROLE: S.Role.DECODE.value}),
+        (t2, S.SpanName.DECODE_START.value, 40 * ms, 45 * ms, {S.ROLE: S.Role.DECODE.value}),
+        # a prefill's span of r3 is not the decode's first step
+        (t3, S.SpanName.PREFILL.value, 1 * ms, 20 * ms, {S.ROLE: S.Role.PREFILL.value})]))
+    got = measure.decode_first_step_ms(router, engines)
+    assert got == pytest.approx({"r1": 32.0, "r2": 40.0})
+    assert measure.decode_first_step_ms(router, None) == {}
+    assert measure.decode_first_step_ms(router, tmp_path / "absent") == {}
+
+
+def test_ttft_basis_is_the_decode_only_when_every_answered_request_has_it():
+    from kvtune.local.workload import RequestResult
+
+    res = [RequestResult("c", 1, "r1", 10, 2, 0.0, 90.0, 5.0, True),
+           RequestResult("c", 2, "r2", 20, 2, 1.0, 70.0, 6.0, True),
+           RequestResult("d", 1, "r3", 10, 0, 2.0, 10.0, None, False, "HttpError")]
+    facts = {"r1": (7.0, None), "r2": (8.0, 300)}
+    reqs, basis = measure.measurements(res, facts, {"r1": 32.0, "r2": 40.0})
+    assert basis == results.TTFT_BASIS_DECODE
+    assert [(r.ttft_ms, r.router_ttft_ms) for r in reqs] == [(32.0, 7.0), (40.0, 8.0),
+                                                             (None, None)]
+    assert reqs[1].offered_tokens == 300
+    # one answered request without a decode first step: the router's TTFT for all
+    reqs, basis = measure.measurements(res, facts, {"r1": 32.0})
+    assert basis == results.TTFT_BASIS_ROUTER
+    assert [r.ttft_ms for r in reqs] == [7.0, 8.0, None]
+    assert all(r.router_ttft_ms is None for r in reqs)
+    reqs, basis = measure.measurements(res, facts)
+    assert basis == results.TTFT_BASIS_ROUTER and reqs[0].ttft_ms == 7.0
+
+
 def test_kv_usage_and_summary_are_pure():
     text = ('# HELP vllm:kv_cache_usage_perc KV-cache usage.\n'
             'vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.25\n'

@@ -59,6 +59,26 @@ def test_modes_ranking_and_reuse_against_measurements():
     assert any("reuse captured" in line for line in got.lines())
 
 
+def test_measured_to_the_decodes_first_step_the_answer_hop_comes_off_the_prediction():
+    import dataclasses
+
+    rec = _rec()
+    rec["recommendations"]["mode"]["evidence"]["sim_inputs"] = [
+        {"name": "overheads.hop_ms", "value": 4.0, "source": "measured: router hops"}]
+    pull = dataclasses.replace(_measured(C.vllm_defaults(), 110.0),
+                               ttft_basis=results.TTFT_BASIS_DECODE)
+    push = _measured(C.VerifyConfig("push", "push"), 70.0)  # the router's TTFT: nothing comes off
+    by = {x.mode: x for x in check(rec, [pull, push], _plans()).modes}
+    assert (by["pull"].predicted_p50_ms, by["pull"].answer_hop_ms) == (96.0, 4.0)
+    assert by["pull"].basis == results.TTFT_BASIS_DECODE
+    assert by["pull"].error_share == pytest.approx(by["pull"].measured_p50_ms / 96.0 - 1)
+    assert (by["push"].predicted_p50_ms, by["push"].answer_hop_ms) == (80.0, 0.0)
+    # the analytic model has no such hop
+    rec["recommendations"]["mode"]["evidence"]["model"] = "analytic"
+    by = {x.mode: x for x in check(rec, [pull, push], _plans()).modes}
+    assert by["pull"].predicted_p50_ms == 100.0
+
+
 def test_bidirectional_at_other_settings_is_not_the_predicted_one():
     m = [_measured(C.VerifyConfig("bidi", "bidirectional", 64, 480.0), 90.0, reused=100)]
     got = check(_rec(), m, _plans())

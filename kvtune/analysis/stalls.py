@@ -95,10 +95,20 @@ def _gaps(own: pd.DataFrame) -> pd.DataFrame:
                                   S.SpanName.DESCRIPTOR_SETUP.value])]
     first_start = first.groupby("trace_id")["start_ns"].min()
     out = pd.DataFrame(index=pd.Index(sorted(set(dq_start.index)), name="trace_id"))
-    out["handoff_ms"] = ((dq_start - pre_end).reindex(out.index).astype(float) / 1e6).clip(lower=0)
-    out["dispatch_ms"] = ((first_start - dq_end).reindex(out.index).astype(float) / 1e6).clip(
-        lower=0)
+    # unclipped: negative where the decode saw its leg before the prefill ended (push)
+    out["handoff_ms"] = (dq_start - pre_end).reindex(out.index).astype(float) / 1e6
+    out["dispatch_ms"] = (first_start - dq_end).reindex(out.index).astype(float) / 1e6
     return out
+
+
+def handoffs_ms(spans: pd.DataFrame) -> pd.Series:
+    """Per trace whose decode leg began after its prefill ended (pull, and bidirectional's forward
+    leg): ``handoff_ms``, the prefill's answer -> the decode's scheduler saw the decode leg
+    (two HTTP hops through the router and the router's own work)."""
+    if not len(spans) or "name" not in spans.columns:
+        return pd.Series(dtype=float)
+    h = _gaps(_own_request_spans(spans))["handoff_ms"].dropna()
+    return h[h >= 0].astype(float)
 
 
 def _request_times(spans: pd.DataFrame, own: pd.DataFrame, tx: pd.DataFrame) -> pd.DataFrame:
@@ -135,7 +145,7 @@ def stall_diagnosis(tx: pd.DataFrame, spans: pd.DataFrame | None = None, *,
                       if len(sel) else np.nan)
     gaps = _gaps(own)
     for col in GAP_COLS:
-        table[col] = gaps[col] if len(gaps) else np.nan
+        table[col] = gaps[col].clip(lower=0) if len(gaps) else np.nan
     covered = table[cols + list(EXTRA_COLS[:-1])].fillna(0).sum(axis=1)
     table["uncovered_ms"] = (table["request_ms"] - covered).clip(lower=0)
     table["stalled"] = table["request_ms"] > threshold_ms

@@ -225,6 +225,23 @@ def count_blocks(block_ids: Any) -> int:
     return total
 
 
+def pushed_tokens(prompt_tokens: int | None, block_ids: Any, block_size: int | None
+                  ) -> int | None:
+    """Tokens a push WRITE moves: the prompt less the whole blocks the decode already held.
+
+    The decode registers only the blocks it lacks (its own prefix cache holds the rest), so the
+    prefill writes the prompt's last ``n`` blocks (``n``: blocks of the first KV group in
+    ``block_ids``, the decode's registered blocks). ``prompt_tokens`` unchanged when the block
+    size or ids are unknown."""
+    if prompt_tokens is None or not block_size or block_ids is None:
+        return prompt_tokens
+    groups = list(block_ids)
+    first = groups[0] if groups and isinstance(groups[0], (list, tuple)) else groups
+    total = -(-int(prompt_tokens) // int(block_size))
+    held = max(0, total - len(first))
+    return max(0, int(prompt_tokens) - held * int(block_size))
+
+
 @dataclass
 class XferContext:
     """The transfer a worker thread is about to post (set around vLLM's read/write method)."""

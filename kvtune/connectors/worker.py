@@ -41,6 +41,7 @@ from kvtune.connectors.observer import (
     TransferTracker,
     XferContext,
     count_blocks,
+    pushed_tokens,
     now_ns,
     request_attrs,
     transfer_attrs,
@@ -141,10 +142,16 @@ class _WorkerHooks:
             base = info.base_id if info is not None else base_request_id(
                 remote_request_id if op is spans.NixlOp.READ else request_id)
             sc = info.span_context() if info is not None else derived_span_context(base)
+        block_ids = getattr(read_spec, "local_block_ids", None)
+        tokens = info.tokens if info is not None else None
+        if op is spans.NixlOp.WRITE:
+            # push: the prefill's blocks pair with the blocks the decode registered, which are
+            # only those it lacked (its prefix cache holds the rest): those are what moves
+            block_ids = getattr(read_spec, "remote_block_ids", None) or block_ids
+            tokens = pushed_tokens(tokens, block_ids, getattr(self, "block_size", None))
         attrs = {**transfer_attrs(base, direction, request_id), **request_attrs(info),
                  spans.NIXL_OP: op.value, spans.REMOTE_ENGINE_ID: str(dst_engine_id),
-                 spans.BLOCKS: count_blocks(getattr(read_spec, "local_block_ids", None)),
-                 spans.TOKENS: info.tokens if info is not None else None}
+                 spans.BLOCKS: count_blocks(block_ids), spans.TOKENS: tokens}
         return XferContext(sc, attrs, t)
 
     def _kvt_on_notified(self, notified: set[str]) -> None:

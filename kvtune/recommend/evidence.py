@@ -145,6 +145,13 @@ class ModeEvidence:
     """The mode the simulator alone would pick; None when it did not run."""
     models_agree: bool | None = field(default=None, metadata=OMIT_NONE)
     sim_inputs: tuple[SimInput, ...] | None = field(default=None, metadata=OMIT_NONE)
+    simulated_ttft_ms: Mapping[str, TtftMs] | None = field(default=None, metadata=OMIT_NONE)
+    """The simulator's own TTFT per mode, where measurements changed ``expected_ttft_ms``."""
+    ttft_sources: Mapping[str, str] | None = field(default=None, metadata=OMIT_NONE)
+    """Per mode, where its ``expected_ttft_ms`` came from (measured, or the simulator scaled)."""
+    sim_scale: float | None = field(default=None, metadata=OMIT_NONE)
+    """Measured / simulated TTFT (to the decode's first step) of the traced main mode: what the
+    simulated modes were multiplied by."""
 
     def as_dict(self) -> dict[str, Any]:
         return evidence_dict(self)

@@ -21,23 +21,26 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Mapping
 
 import numpy as np
 
 from kvtune import spans as sc
 from kvtune.analysis.fit import FloorFit
+from kvtune.analysis.hops import RouterHops
+from kvtune.analysis.modes import MeasuredTtft
 from kvtune.analysis.prefill import PrefillCost
 from kvtune.analysis.workload import TracedRequest, Workload
 from kvtune.errors import SimError
 from kvtune.recommend.evidence import ModeEvidence, TtftMs
-from kvtune.recommend.results import NEVER, Finding, Recommendation
+from kvtune.recommend.results import MODE_NAME, NEVER, Finding, Recommendation
 from kvtune.sim.calibrate import SimInput
 from kvtune.sim.estimate import DEFAULT_MAX_REQUESTS, calibrate, ttft_per_mode
 from kvtune.vllm_pd import router_ttl_s
 
 logger = logging.getLogger(__name__)
 
-NAME = "mode"
+NAME = MODE_NAME
 PULL_HOP_MS = 2.0
 """Extra control hop of pull: the router hands the prefill's answer to the decode, which then
 schedules the read (an HTTP round trip on a LAN plus one scheduler step)."""
@@ -100,8 +103,8 @@ def _simulated(workload: Workload, fit: FloorFit, prefill: PrefillCost, *, bytes
                descriptors_per_token: float, ttl_s: float | None, threshold_tokens: int | None,
                prefill_instances: int, fit_source: str, prefix_caching: bool | None = None,
                prefix_caching_source: str = "setting", first_step_ms: float | None = None,
-               first_step_source: str = "measured", max_requests: int = DEFAULT_MAX_REQUESTS
-               ) -> tuple[SimTtft, tuple[SimInput, ...]]:
+               first_step_source: str = "measured", max_requests: int = DEFAULT_MAX_REQUESTS,
+               hops: RouterHops | None = None) -> tuple[SimTtft, tuple[SimInput, ...]]:
     """(p50, p99) per mode from the simulator, and the numbers it played with their sources."""
     cal = calibrate(workload, fit, prefill, max_requests=max_requests, ttl_s=ttl_s,
                     threshold_tokens=threshold_tokens,
@@ -109,9 +112,54 @@ def _simulated(workload: Workload, fit: FloorFit, prefill: PrefillCost, *, bytes
                     descriptors_per_token=descriptors_per_token or None,  # 0: not measured
                     fit_source=fit_source, prefill_instances=prefill_instances,
                     prefix_caching=prefix_caching, prefix_caching_source=prefix_caching_source,
-                    first_step_ms=first_step_ms, first_step_source=first_step_source)
+                    first_step_ms=first_step_ms, first_step_source=first_step_source,
+                    hop_ms=hops.hop_ms if hops is not None else None,
+                    router_ms=hops.router_ms if hops is not None else None,
+                    hops_source=_hops_source(hops))
     res = ttft_per_mode(cal.config)
     return {m.value: (float(v.p50_ms), float(v.p99_ms)) for m, v in res.items()}, cal.inputs
+
+
+def _with_measured(sim: SimTtft, inputs: tuple[SimInput, ...],
+                   measured: Mapping[str, MeasuredTtft], main_mode: str | None
+                   ) -> tuple[SimTtft, float | None, dict[str, str]]:
+    """The TTFT per mode the choice uses, where the trace measured some: each traced mode's
+    measured TTFT in place of its simulated one, and the simulator's other modes scaled by the
+    ratio that makes the traced main mode's simulated TTFT match its measurement (the simulator's
+    bias on this deployment, carried to the modes it could not see). Also: that scale (None: no
+    main-mode measurement) and, per mode, where its number came from.
+
+    The measurements end at the decode's first step; the simulator's TTFT also carries the first
+    token back to the client (``overheads.hop_ms``): it is added to the measured values, and
+    taken off the simulated ones before scaling."""
+    hop = next((float(i.value) for i in inputs if i.name == "overheads.hop_ms"
+                and isinstance(i.value, (int, float))), 0.0)
+    scale = None
+    if main_mode in measured and main_mode in sim and sim[main_mode][0] - hop > 0:
+        scale = measured[main_mode].p50_ms / (sim[main_mode][0] - hop)
+    out: SimTtft = {}
+    how: dict[str, str] = {}
+    for m, (p50, p99) in sim.items():
+        got = measured.get(m)
+        if got is not None:
+            out[m] = (got.p50_ms + hop, got.p99_ms + hop)
+            how[m] = (f"measured: {got.n_requests} traced {m} requests (router in -> the decode's "
+                      f"first step) + the {hop:.1f} ms hop back")
+        elif scale is not None:
+            out[m] = ((p50 - hop) * scale + hop, (p99 - hop) * scale + hop)
+            how[m] = (f"kvtune.sim x {scale:.2f} (the scale at which the simulated {main_mode} "
+                      f"TTFT matches the measured one)")
+        else:
+            out[m] = (p50, p99)
+            how[m] = "kvtune.sim"
+    return out, scale, how
+
+
+def _hops_source(hops: RouterHops | None) -> str:
+    if hops is None:
+        return "measured"
+    return (f"measured: router hops (half the median prefill answer -> decode leg handoff of "
+            f"{hops.n_handoffs} pull legs; router intake from {hops.n_intakes} requests)")
 
 
 def _close(sim: SimTtft) -> bool:
@@ -170,14 +218,17 @@ def recommend_mode(workload: Workload, fit: FloorFit, prefill: PrefillCost, *,
                    prefill_instances: int = 1, use_simulator: bool = True,
                    fit_source: str = "floor fit", prefix_caching: bool | None = None,
                    prefix_caching_source: str = "setting", first_step_ms: float | None = None,
-                   first_step_source: str = "measured"
+                   first_step_source: str = "measured", hops: RouterHops | None = None,
+                   measured: Mapping[str, MeasuredTtft] | None = None, main_mode: str | None = None
                    ) -> tuple[Recommendation, list[Finding]]:
     """Compare the modes' expected TTFT and pick one (see module doc). ``use_simulator=False``
     keeps to the analytic model; ``fit_source`` names where the floor fit came from (for the list
     of simulator inputs); ``prefix_caching`` (None: the preset's) whether the engines cache
     prefixes, as the traces showed (``prefix_caching_source`` says how it is known);
     ``first_step_ms`` (None: the preset's decode step) the decode's time from KV ready to the first
-    token, as traced."""
+    token, as traced; ``hops`` (None: the preset's) the router's hop and intake, as traced;
+    ``measured`` the TTFT (to the decode's first step) of each mode the trace served, with
+    ``main_mode`` the one the fits were read from (see :func:`_with_measured`)."""
     thr = math.inf if threshold == NEVER else float(threshold)
     findings: list[Finding] = []
     ttft, util = _analytic(workload, fit, prefill, bytes_per_token=bytes_per_token,
@@ -199,7 +250,7 @@ def recommend_mode(workload: Workload, fit: FloorFit, prefill: PrefillCost, *,
                     prefill_instances=prefill_instances, fit_source=fit_source,
                     prefix_caching=prefix_caching, prefix_caching_source=prefix_caching_source,
                     first_step_ms=first_step_ms, first_step_source=first_step_source,
-                    max_requests=n)
+                    max_requests=n, hops=hops)
             sim, inputs = simulated(DEFAULT_MAX_REQUESTS)
             if _close(sim):  # two modes within the sample's noise: settle it on a larger sample
                 close_call = True
@@ -209,10 +260,15 @@ def recommend_mode(workload: Workload, fit: FloorFit, prefill: PrefillCost, *,
             findings.append(Finding("simulator_failed", "info",
                                     f"the simulator failed ({exc}); expected TTFT per mode comes "
                                     f"from the analytic model", {}))
+    sim_scale: float | None = None
+    sources: dict[str, str] | None = None
+    raw_sim = sim
     if sim and all(math.isfinite(v[0]) for v in sim.values()):
+        if measured:
+            sim, sim_scale, sources = _with_measured(sim, inputs or (), measured, main_mode)
         ttft, model = {**ttft, **sim}, "kvtune.sim"
     else:
-        sim = None
+        sim = raw_sim = None
     allowed = [sc.Mode.PULL.value]
     excluded: dict[str, str] = {}
     if early_decode_ok:
@@ -250,6 +306,9 @@ def recommend_mode(workload: Workload, fit: FloorFit, prefill: PrefillCost, *,
         reused_share_bidirectional=util.get("reused_share_bidirectional"),
         analytic_best=analytic_best, simulated_best=best if sim is not None else None,
         models_agree=agree, sim_inputs=inputs if sim is not None else None,
+        simulated_ttft_ms=({m: TtftMs(*v) for m, v in raw_sim.items()}
+                           if raw_sim is not None and sources else None),
+        ttft_sources=sources, sim_scale=sim_scale,
     )
     if model == "analytic":
         assumptions: tuple[str, ...] = (
@@ -266,6 +325,9 @@ def recommend_mode(workload: Workload, fit: FloorFit, prefill: PrefillCost, *,
             "on the simulator calibrated with the floor and prefill fits; "
             f"{n_preset} of its inputs come from the preset (listed in evidence.sim_inputs)",
         )
+        if sources:
+            assumptions += ("per mode, where its expected TTFT came from: " + "; ".join(
+                f"{m}: {v}" for m, v in sources.items()),)
         if close_call:
             assumptions += (f"the two fastest modes came within {CLOSE_CALL_SHARE:.0%} of each "
                             f"other on {DEFAULT_MAX_REQUESTS} simulated requests: compared again "

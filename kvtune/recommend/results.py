@@ -9,6 +9,8 @@ from kvtune.recommend.evidence import Evidence, JsonEvidence, plain
 
 NEVER: str = "never"
 """Threshold value when pulling remote KV never beats recomputing it on this traffic."""
+MODE_NAME: str = "mode"
+"""The mode recommendation's name (its key in ``recommendation.json`` beside vLLM's two keys)."""
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,8 @@ import numpy as np
 import pandas as pd
 
 from kvtune.analysis.fit import FloorFit, fit_floor
+from kvtune.analysis.hops import router_hops
+from kvtune.analysis.modes import measured_ttft, split_modes
 from kvtune.analysis.prefill import PrefillCost, local_prefix_hits, prefill_cost
 from kvtune.analysis.transfers import transfers as transfers_table
 from kvtune.analysis.workload import Workload, workload as workload_of
@@ -157,8 +159,18 @@ def recommend(spans: pd.DataFrame, *, geometry: Any = None,
         raise ConfigError(f"recommend: hbm_budget_gb: expected a number of GB >= 0, "
                           f"got {hbm_budget_gb!r}")
     source = _source(spans)
-    tr = transfers_table(spans)
+    split = split_modes(spans)
+    traced, spans = spans, split.main_spans  # the fabric is every mode's: tr reads them all
     findings: list[Finding] = []
+    if split.others:
+        findings.append(Finding(
+            "modes_split", "info",
+            f"the trace holds requests served in several modes ({split.requests}); the workload "
+            f"and the prefill cost are read from the {split.main} spans, the fabric fit from "
+            f"every mode's transfers"
+            + "; each mode's measured TTFT stands in the mode comparison",
+            {"requests": split.requests, "main": split.main}))
+    tr = transfers_table(traced)
     fabrics = sorted(set(tr["fabric"].dropna().astype(str)))
     if fabric is None and len(fabrics) > 1:
         serving = tr[(tr["mode"].astype("object") != "probe").to_numpy(dtype=bool)]
@@ -180,7 +192,12 @@ def recommend(spans: pd.DataFrame, *, geometry: Any = None,
     fit, fit_source, f = _fit_with_probe_fallback(tr, n_boot=n_boot, seed=seed, fabric=fabric,
                                                   op=op, source=source)
     findings += f
-    pc: PrefillCost = prefill_cost(spans)
+    try:
+        pc: PrefillCost = prefill_cost(spans)
+    except AnalysisError:
+        if spans is traced:
+            raise
+        pc = prefill_cost(traced)  # too few of the main mode's prefills: every mode's
     wl: Workload = workload_of(spans)
     bpt, dpt, bpt_from = bytes_per_token_of(tr, geometry)
     if max_context_tokens is None:
@@ -197,6 +214,8 @@ def recommend(spans: pd.DataFrame, *, geometry: Any = None,
                                    n_boot=n_boot, seed=seed)
     findings += f
     hits = local_prefix_hits(spans, tr)
+    hops = router_hops(spans)
+    measured = measured_ttft(traced)
     first = tr["decode_start_ms"].dropna().astype(float) if "decode_start_ms" in tr else None
     first_ms = float(first.median()) if first is not None and len(first) else None
     mode, f = recommend_mode(wl, mode_fit, pc, bytes_per_token=bpt, descriptors_per_token=dpt,
@@ -215,19 +234,22 @@ def recommend(spans: pd.DataFrame, *, geometry: Any = None,
                              first_step_source=f"measured: KV ready -> first decode step "
                                                f"(kv.decode_start median of {0 if first is None else len(first)} "
                                                f"transfers); later steps take the same in the "
-                                               f"simulator")
+                                               f"simulator",
+                             hops=hops if hops.hop_ms is not None else None,
+                             measured=measured, main_mode=split.main)
     findings += f
-    findings += readiness(tr, spans, fit=fit, workload=wl, fabric=fabric)
+    findings += readiness(tr, traced, fit=fit, workload=wl, fabric=fabric)
     # What each Tempo source read (range, traces, spans) and whether its search was cut short.
-    findings += [Finding(**f) for r in spans.attrs.get("tempo_reads", ()) for f in r.findings()]
+    findings += [Finding(**f) for r in traced.attrs.get("tempo_reads", ()) for f in r.findings()]
     extra = {
         "workload": wl.as_dict(), "prefill_cost": pc.as_dict(), "n_transfers": int(len(tr)),
         "bytes_per_token": bpt, "descriptors_per_token": dpt, "bytes_per_token_from": bpt_from,
         "hbm_budget_gb": hbm_budget_gb, "early_decode_ok": early_decode_ok,
-        "fabric": fabric, "fit_source": fit_source,
-        "clock_offsets_ns": dict(spans.attrs.get("clock_offsets_ns", {}) or {}),
-        "skipped_records": len(spans.attrs.get("skipped", []) or []),
-        "versions": versions_in(spans),
+        "fabric": fabric, "fit_source": fit_source, "router_hops": hops.as_dict(),
+        "clock_offsets_ns": dict(traced.attrs.get("clock_offsets_ns", {}) or {}),
+        "skipped_records": len(traced.attrs.get("skipped", []) or []),
+        "versions": versions_in(traced), "requests_by_mode": split.requests,
+        "measured_ttft_ms": {m: v.as_dict() for m, v in measured.items()},
     }
     return Tuning(threshold=thr, ttl=ttl, mode=mode, findings=tuple(findings), fit=fit,
-                  source=source, span_count=int(len(spans)), extra=extra)
+                  source=source, span_count=int(len(traced)), extra=extra)

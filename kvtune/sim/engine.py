@@ -28,7 +28,6 @@ events; ``seq`` keeps the order of simultaneous events deterministic. The mechan
 from __future__ import annotations
 
 import heapq
-import math
 from collections import OrderedDict, deque
 from collections.abc import Callable
 from typing import Any
@@ -41,7 +40,6 @@ from kvtune.sim.workload import Arrival, Traffic
 from kvtune.vllm_pd import router_ttl_s
 
 PUSH, PULL, BIDI = spans.Mode.PUSH, spans.Mode.PULL, spans.Mode.BIDIRECTIONAL
-_NAN = math.nan
 _PROGRESS_EVERY_EVENTS = 20000  # progress bar refresh period, in events
 MAX_RUN_STEPS = 128
 """Most decode steps simulated as one event (a wake-up cuts the run at the next boundary)."""
@@ -215,9 +213,10 @@ class Simulation:
         req.dinst = d.idx
         req.decode_assigned = True
         d.assigned += 1
-        if self.ru.prefix_caching and req.history and not self.early_decode:
-            # the decode's own prefix cache holds the conversation's last turn: a READ moves only
-            # the whole blocks it lacks (vLLM: prompt minus the local hit); push WRITEs them all
+        if self.ru.prefix_caching and req.history:
+            # the decode's own prefix cache holds the conversation's last turn: a pull's READ
+            # moves only the whole blocks it lacks (vLLM: prompt minus the local hit), and push
+            # registers only those, so the prefill WRITEs only them (kv.bytes on the local pair)
             held = d.cache.get(req.conv)
             if held is not None:
                 d.cache.move_to_end(req.conv)

@@ -47,9 +47,13 @@ def calibrate(traffic: Traffic, floor_fit: FloorFit | None = None,
               threshold_tokens: int | None = None, bytes_per_token: float | None = None,
               descriptors_per_token: float | None = None, fit_source: str = "floor fit",
               prefix_caching_source: str = "setting", first_step_ms: float | None = None,
-              first_step_source: str = "measured", **config_changes: Any) -> Calibrated:
+              first_step_source: str = "measured", hop_ms: float | None = None,
+              router_ms: float | None = None, hops_source: str = "measured",
+              **config_changes: Any) -> Calibrated:
     """The config :func:`expected_ttft` simulates (see there), with :func:`sim_inputs` naming
-    which numbers came from the fits, the workload or the settings and which from the preset."""
+    which numbers came from the fits, the workload or the settings and which from the preset.
+    ``hop_ms`` / ``router_ms`` (None: the preset's) are one router <-> instance hop and the
+    router's intake, as traced (``kvtune.analysis.hops``)."""
     if max_requests < 1:
         raise SimError(f"expected_ttft: max_requests: expected >= 1, got {max_requests!r}")
     cfg = _config(traffic, base, max_requests)
@@ -95,6 +99,11 @@ def calibrate(traffic: Traffic, floor_fit: FloorFit | None = None,
     if first_step_ms is not None:  # the step that emits a request's first token after its KV
         cfg = cfg.with_(decode={"step_base_ms": float(first_step_ms)})
         sources["decode.step_base_ms"] = first_step_source
+    overheads = {k: float(v) for k, v in (("hop_ms", hop_ms), ("router_ms", router_ms))
+                 if v is not None}
+    if overheads:
+        cfg = cfg.with_(overheads=overheads)
+        sources.update({f"overheads.{k}": hops_source for k in overheads})
     return Calibrated(cfg, sim_inputs(cfg, sources))
 
 

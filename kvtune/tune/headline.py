@@ -12,13 +12,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvtune.recommend.results import NEVER
+from kvtune.recommend.results import MODE_NAME, NEVER
 from kvtune.tune.numbers import fmt_num, fmt_share, fmt_value
 from kvtune.vllm_pd import DECODER_KV_BLOCKS_TTL, KV_RECOMPUTE_THRESHOLD
 
 THRESHOLD = KV_RECOMPUTE_THRESHOLD
 TTL = DECODER_KV_BLOCKS_TTL
-MODE = "mode"
+MODE = MODE_NAME
 GOOD_R2 = 0.9
 """A floor fit with R^2 at or above this explains transfer time well (below: say it is weak)."""
 MIN_TRANSFERS = 30

@@ -3,7 +3,9 @@
 1. The fabric probe: two NIXL agents in two processes sweep KV-shaped transfers (local geometry).
 2. The local vLLM prefill/decode pair on a tiny local model, bidirectional mode with kvtune's
    instrumented connectors, driven through the kvtune router (a subprocess) by a multi-turn,
-   agent-like workload (conversations with growing history and think-time gaps).
+   agent-like workload (conversations with growing history and think-time gaps); then a short
+   push segment on a fresh pair (:data:`PUSH_CONVERSATIONS_PER_SIZE`), whose requests' measured
+   TTFT stands for push in the mode comparison.
 3. When vLLM cannot run here (not installed, or the pair fails), the simulator stands in, calibrated
    with the probe's fit, and the source's kind says so (``probe+sim``).
 """
@@ -42,6 +44,12 @@ WORKLOAD_BUDGET_S = 900.0
 PARALLEL_CONVERSATIONS = 2
 RECOMPUTE_THRESHOLD = 1
 """The pair pulls any history back (threshold 1), so reverse transfers of every size are traced."""
+PUSH_CONVERSATIONS_PER_SIZE = 1
+"""After the bidirectional run, a short push segment (one conversation per first-prompt size, the
+same turns): its requests' own TTFT stands for push in the mode comparison
+(``kvtune.analysis.modes``). On this host push's legs run at once on the same two cores, which a
+model of two machines does not see (measured: the prefill's compute took about twice as long in
+push as in pull, on the same prompts)."""
 
 
 @dataclass(frozen=True)
@@ -102,10 +110,22 @@ def _make(out: Path, *, seed: int, use_vllm: bool, probe_tokens: Sequence[int],
                           conversations_per_size=conversations_per_size, turns=turns,
                           budget_s=budget_s, link=link)
             details.update(stats)
+            push = ""
+            try:
+                pst = _pair(out, seed=seed + 1, first_prompt_tokens=first_prompt_tokens,
+                            conversations_per_size=PUSH_CONVERSATIONS_PER_SIZE, turns=turns,
+                            budget_s=budget_s, link=link, mode="push")
+                details["push_segment"] = {k: pst[k] for k in ("requests_ok", "requests_failed",
+                                                                "conversations")}
+                push = f", then a push segment of {pst['requests_ok']} requests"
+            except Exception as exc:  # the advice stands without it (push then simulated)
+                log.warning("the push segment failed (%s: %s); push is simulated",
+                            type(exc).__name__, exc)
+                details["push_error"] = f"{type(exc).__name__}: {exc}"
             return DefaultSpans(out, "vllm-pair",
                                 f"probe (NIXL, 2 processes) + local vLLM pair (bidirectional, kvtune "
                                 f"connectors){on} through the kvtune router: {stats['requests_ok']} "
-                                f"requests in {stats['conversations']} conversations", fabric,
+                                f"requests in {stats['conversations']} conversations{push}", fabric,
                                 details, tiny_model_dir())
         except Exception as exc:  # any failure of the pair falls back to the sim
             log.warning("the local vLLM pair could not produce spans (%s: %s); the simulator "
@@ -177,25 +197,31 @@ def _sim(spans_dir: Path, probe: Any, seed: int) -> int:
 
 def _pair(out: Path, *, seed: int, first_prompt_tokens: Sequence[int],
           conversations_per_size: int, turns: int, budget_s: float,
-          link: ShapedLink | None = None) -> dict[str, Any]:
+          link: ShapedLink | None = None, mode: str = "bidirectional") -> dict[str, Any]:
+    """Run the workload on a fresh pair in ``mode``; spans under ``out/pair`` and ``out/router``
+    (``out/pair-MODE``, ``out/router-MODE`` for a mode other than bidirectional)."""
     from kvtune import spans as S
     from kvtune.local.pair import LocalPair
     from kvtune.router import InstanceConfig, RouterConfig, RouterProcess
 
-    workdir = out.parent / "pair-work"
-    with LocalPair("bidirectional", connector="kvtune", workdir=workdir / "pair",
-                   spans_dir=out / "pair", recompute_threshold=RECOMPUTE_THRESHOLD,
+    tag = "" if mode == S.Mode.BIDIRECTIONAL.value else f"-{mode}"
+    workdir = out.parent / f"pair-work{tag}"
+    threshold = RECOMPUTE_THRESHOLD if mode == S.Mode.BIDIRECTIONAL.value else None
+    with LocalPair(mode, connector="kvtune", workdir=workdir / "pair",
+                   spans_dir=out / f"pair{tag}", recompute_threshold=threshold,
                    fabric=link) as pair:
-        cfg = RouterConfig(prefill=(InstanceConfig(pair.prefill_url),),
+        cfg = RouterConfig(prefill=(InstanceConfig(pair.prefill_url,
+                                                   engine_id=pair.prefill_engine_id,
+                                                   kv_port=pair.prefill_side_channel_port),),
                            decode=(InstanceConfig(pair.decode_url),),
-                           mode=S.Mode.BIDIRECTIONAL, state=f"sqlite:{workdir}/router-state.db",
+                           mode=S.Mode(mode), state=f"sqlite:{workdir}/router-state.db",
                            port=0, prefill_timeout_s=REQUEST_TIMEOUT_S,
                            decode_timeout_s=REQUEST_TIMEOUT_S,
-                           telemetry={"json_path": str(out / "router")})
+                           telemetry={"json_path": str(out / f"router{tag}")})
         with RouterProcess(cfg, workdir=workdir / "router") as router:
             return run_workload(router.url, seed=seed, first_prompt_tokens=first_prompt_tokens,
                                 conversations_per_size=conversations_per_size, turns=turns,
-                                budget_s=budget_s)
+                                budget_s=budget_s, conversation_prefix=f"conv{tag}")
 
 
 def workload_plans(n_conversations: int = len(FIRST_PROMPT_TOKENS) * CONVERSATIONS_PER_SIZE, *,
@@ -230,7 +256,8 @@ def workload_plans(n_conversations: int = len(FIRST_PROMPT_TOKENS) * CONVERSATIO
 def run_workload(url: str, *, seed: int = 0, first_prompt_tokens: Sequence[int] = FIRST_PROMPT_TOKENS,
                  conversations_per_size: int = CONVERSATIONS_PER_SIZE, turns: int = TURNS,
                  budget_s: float = WORKLOAD_BUDGET_S, parallel: int = PARALLEL_CONVERSATIONS,
-                 think_time_s: tuple[float, float] = THINK_TIME_S) -> dict[str, Any]:
+                 think_time_s: tuple[float, float] = THINK_TIME_S,
+                 conversation_prefix: str = "conv") -> dict[str, Any]:
     """Drive multi-turn conversations through the router at ``url`` (agent-like: each turn sends
     the whole history plus new tokens). Bounded: no new turn after ``budget_s``."""
     from tqdm import tqdm
@@ -239,7 +266,7 @@ def run_workload(url: str, *, seed: int = 0, first_prompt_tokens: Sequence[int] 
     from kvtune.router.client import post
 
     rng = random.Random(seed)
-    convs = [(f"conv-{size}-{i}", size, rng.random()) for size in first_prompt_tokens
+    convs = [(f"{conversation_prefix}-{size}-{i}", size, rng.random()) for size in first_prompt_tokens
              for i in range(conversations_per_size)]
     total = len(convs) * turns
     bar = tqdm(total=total, desc="workload", unit="req")

@@ -23,6 +23,9 @@ from kvtune.verify.configs import VerifyConfig
 class Upstreams:
     prefill: tuple[InstanceConfig, ...]
     decode: tuple[InstanceConfig, ...]
+    spans_dir: Path | None = None
+    """Where the instances write their kvtune spans (OTLP-JSON lines), complete once the
+    deployment is torn down; None: not known (a cluster's own telemetry)."""
 
 
 class Backend(Protocol):
@@ -80,7 +83,9 @@ class LocalPairBackend:
         with factory(**kwargs) as pair:
             prefill = InstanceConfig(url=pair.prefill_url, engine_id=pair.prefill_engine_id,
                                      kv_port=pair.prefill_side_channel_port)
-            yield Upstreams(prefill=(prefill,), decode=(InstanceConfig(url=pair.decode_url),))
+            spans = kwargs.get("spans_dir")
+            yield Upstreams(prefill=(prefill,), decode=(InstanceConfig(url=pair.decode_url),),
+                            spans_dir=Path(spans) if spans is not None else None)
 
 
 def restart_instructions(config: VerifyConfig, upstreams: Upstreams) -> str:

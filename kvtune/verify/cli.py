@@ -55,7 +55,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     w.add_argument("--save-workload", default=None, help="also write the workload to this file")
     c = p.add_argument_group("measured crossover")
     c.add_argument("--crossover", action="store_true",
-                   help="also sweep history lengths with reuse forced on and off")
+                   help="also sweep history lengths with reuse on and off (paired, on one "
+                        "deployment)")
     c.add_argument("--crossover-lengths", default=None,
                    help="comma-separated history lengths (default: around the recommendation's "
                         "break-even)")
@@ -170,6 +171,7 @@ def run(args: argparse.Namespace) -> int:
                         seed=args.seed, max_concurrency=_concurrency(args))
     for row in page.table_rows(result):
         print("  ".join(row))
+    print(page.ttft_basis_note(result))
     for comp in result.comparisons:
         print(comp.verdict)
     if result.predictions is not None:

@@ -1,11 +1,16 @@
-"""Replay a workload under one configuration and measure it: TTFT from the router's spans, reuse
-captured from the prefill's prompt-token counters, decode KV memory from the decode's ``/metrics``.
+"""Replay a workload under one configuration and measure it: TTFT from the router's and the
+engines' spans, reuse captured from the prefill's prompt-token counters, decode KV memory from the
+decode's ``/metrics``.
 
 Requests go through a fresh kvtune router per configuration (``RouterProcess``, its spans written to
 the configuration's working directory). They are sent non-streaming: vLLM 0.32 returns a
 bidirectional turn's retained-block params only in a non-streamed answer, and every configuration
-is measured the same way. TTFT is then the router's ``kv.ttft_ms``: request in -> the prefill's
-first token available (the part reuse and the threshold change).
+is measured the same way. The router's ``kv.ttft_ms`` of a non-streamed request is the prefill's
+answer, before any KV reaches the decode: it leaves out the very path the modes differ on. So
+where the deployment's engines write kvtune spans (the local pair), TTFT is measured to the
+decode's first step (:data:`~kvtune.verify.results.TTFT_BASIS_DECODE`: the router's
+``kv.request`` began -> the decode's ``kv.decode_start`` ended), and the router's value is kept
+beside it; else (a cluster's own telemetry) the router's value, said so in ``ttft_basis``.
 """
 from __future__ import annotations
 
@@ -26,7 +31,8 @@ from kvtune.router.config import DEFAULT_DECODER_TTL_S, RouterConfig
 from kvtune.verify import stats
 from kvtune.verify.backends import Backend, Upstreams
 from kvtune.verify.configs import VerifyConfig
-from kvtune.verify.results import ConfigResult, MemorySample, RequestMeasurement
+from kvtune.verify.results import (TTFT_BASIS_DECODE, TTFT_BASIS_ROUTER, ConfigResult,
+                                   MemorySample, RequestMeasurement)
 
 KV_USAGE_METRIC: Final = "vllm:kv_cache_usage_perc"
 """vLLM's gauge of the KV cache in use, 0..1 (1 = 100 %)."""
@@ -149,24 +155,53 @@ def router_request_facts(path: Path) -> dict[str, tuple[float | None, int | None
     return out
 
 
+def decode_first_step_ms(router_spans: Path, engine_spans: Path | None) -> dict[str, float]:
+    """Per client request id: TTFT to the decode's first step
+    (``kvtune.analysis.modes.first_step_ttft``: the router's ``kv.request`` began -> the decode's
+    ``kv.decode_start`` ended), ms. Empty when either side's spans are missing."""
+    if engine_spans is None or not router_spans.exists() or not engine_spans.is_dir() \
+            or not any(engine_spans.glob("*.jsonl")):
+        return {}
+    from kvtune.analysis.modes import first_step_ttft
+    from kvtune.traces import load
+
+    t = first_step_ttft(load([str(router_spans), str(engine_spans)], correct_clocks=False,
+                             progress=False))
+    return {rid: float(v) for rid, v in zip(t["client_request_id"], t["ttft_ms"])
+            if isinstance(rid, str)}
+
+
 def measurements(results: Sequence[RequestResult],
-                 facts: Mapping[str, tuple[float | None, int | None]]
-                 ) -> tuple[RequestMeasurement, ...]:
-    """Per request: the client's view, with the router's TTFT (else the client's) and the
-    history it offered back (``facts``: :func:`router_request_facts`)."""
+                 facts: Mapping[str, tuple[float | None, int | None]],
+                 first_step: Mapping[str, float] | None = None
+                 ) -> tuple[tuple[RequestMeasurement, ...], str]:
+    """Per request: the client's view, with its TTFT and the history the router offered back
+    (``facts``: :func:`router_request_facts`); and the TTFT basis. TTFT is measured to the
+    decode's first step (``first_step``: :func:`decode_first_step_ms`) when every answered
+    request has it, else it is the router's (else the client's)."""
+    first_step = first_step or {}
+    ok = [r for r in results if r.ok]
+    decode = bool(ok) and all(r.request_id in first_step for r in ok)
+    if first_step and not decode:
+        _log.warning("verify: %d of %d answered requests have no decode first step in the "
+                     "engines' spans; TTFT is the router's for this configuration",
+                     sum(r.request_id not in first_step for r in ok), len(ok))
     out = []
     for r in results:
         ttft, offered = facts.get(r.request_id, (None, None))
+        router = (ttft if ttft is not None else r.ttft_ms) if r.ok else None
         out.append(RequestMeasurement(
             conversation_id=r.conversation_id, turn=r.turn, prompt_tokens=r.prompt_tokens,
-            ttft_ms=(ttft if ttft is not None else r.ttft_ms) if r.ok else None,
-            latency_ms=r.latency_ms, ok=r.ok, error=r.error, offered_tokens=offered))
-    return tuple(out)
+            ttft_ms=(first_step[r.request_id] if decode and r.ok else router),
+            latency_ms=r.latency_ms, ok=r.ok, error=r.error, offered_tokens=offered,
+            router_ttft_ms=router if decode else None))
+    return tuple(out), TTFT_BASIS_DECODE if decode else TTFT_BASIS_ROUTER
 
 
 def summarize(config: VerifyConfig, requests: tuple[RequestMeasurement, ...], *,
               reused_tokens: int | None, memory: Sequence[MemorySample],
-              blocks_total: int | None, wall_s: float, seed: int = 0) -> ConfigResult:
+              blocks_total: int | None, wall_s: float, seed: int = 0,
+              ttft_basis: str = TTFT_BASIS_ROUTER) -> ConfigResult:
     """The per-configuration statistics of measured requests (pure)."""
     ttfts = [r.ttft_ms for r in requests if r.ok and r.ttft_ms is not None]
     enough = len(ttfts) >= stats.MIN_SAMPLES
@@ -183,7 +218,7 @@ def summarize(config: VerifyConfig, requests: tuple[RequestMeasurement, ...], *,
         turn2plus_prompt_tokens=later, reused_tokens=reused_tokens, reuse_captured_share=share,
         memory=tuple(memory), decode_kv_usage_mean_pct=sum(usage) / len(usage) if usage else None,
         decode_kv_usage_max_pct=max(usage) if usage else None, decode_kv_blocks_total=blocks_total,
-        wall_s=wall_s)
+        wall_s=wall_s, ttft_basis=ttft_basis)
 
 
 def measure_config(config: VerifyConfig, backend: Backend, plans: Sequence[ConversationPlan],
@@ -209,6 +244,8 @@ def measure_config(config: VerifyConfig, backend: Backend, plans: Sequence[Conve
         after = sum_sources(prefill_urls) if before is not None else None
     reused = ((after - before).external_kv_transfer_tokens
               if after is not None and before is not None else None)
-    return summarize(config, measurements(results, router_request_facts(spans_path)),
-                     reused_tokens=reused, memory=sampler.samples,
-                     blocks_total=sampler.blocks_total, wall_s=time.monotonic() - t0)
+    requests, basis = measurements(results, router_request_facts(spans_path),
+                                   decode_first_step_ms(spans_path, ups.spans_dir))
+    return summarize(config, requests, reused_tokens=reused, memory=sampler.samples,
+                     blocks_total=sampler.blocks_total, wall_s=time.monotonic() - t0,
+                     ttft_basis=basis)

@@ -6,7 +6,7 @@ import html
 from pathlib import Path
 
 from kvtune.verify import figures
-from kvtune.verify.results import VerifyResult
+from kvtune.verify.results import TTFT_BASIS_DECODE, TTFT_BASIS_ROUTER, VerifyResult
 
 
 def _fmt(v: float | None, unit: str = "", digits: int = 1) -> str:
@@ -33,6 +33,20 @@ def table_rows(result: VerifyResult) -> list[list[str]]:
     return rows
 
 
+def ttft_basis_note(result: VerifyResult) -> str:
+    """What the table's TTFT measures (per configuration when they differ)."""
+    bases = {c.ttft_basis for c in result.configs}
+    words = {TTFT_BASIS_DECODE: "the router received the request -> the decode scheduled its "
+                                "first decode step (its KV in place), from the router's and the "
+                                "engines' spans",
+             TTFT_BASIS_ROUTER: "the router's TTFT (for a non-streamed request: the prefill's "
+                                "answer, before any KV reached the decode)"}
+    if len(bases) == 1:
+        return f"TTFT: {words.get(next(iter(bases)), next(iter(bases)))}."
+    return "TTFT: " + "; ".join(f"{c.config.name}: {words.get(c.ttft_basis, c.ttft_basis)}"
+                                for c in result.configs) + "."
+
+
 def render(result: VerifyResult) -> str:
     import plotly.io as pio
     from plotly.offline import get_plotlyjs
@@ -43,6 +57,7 @@ def render(result: VerifyResult) -> str:
              + "".join("<tr>" + "".join(f"<td>{e(v)}</td>" for v in r) + "</tr>"
                        for r in rows[1:]) + "</table>")
     verdicts = "".join(f'<p class="verdict">{e(c.verdict)}</p>' for c in result.comparisons)
+    table += f'<p class="meta" id="ttft-basis">{e(ttft_basis_note(result))}</p>'
     parts = [f"<h1>kvtune verify</h1><p class='meta'>Target: {e(result.target)}. Workload: "
              f"{e(result.workload)}. {e(result.created_utc)}, kvtune {e(result.kvtune_version)}."
              "</p>", f'<section id="verdicts">{verdicts}</section>', table]

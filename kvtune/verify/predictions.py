@@ -47,6 +47,13 @@ class ModePrediction:
     error_share: float | None
     """measured / predicted - 1 (None: nothing measured)."""
     held: bool | None
+    basis: str = "router"
+    """The measured TTFT's basis (``ConfigResult.ttft_basis``: ``kvtune.verify.results``'
+    ``TTFT_BASIS_*``)."""
+    answer_hop_ms: float = 0.0
+    """Taken off the recommendation's p50 to give ``predicted_p50_ms`` when the measurement
+    ends at the decode's first step: the simulator's TTFT also carries the first token back to
+    the client (``overheads.hop_ms``), which that measurement does not."""
 
 
 @dataclass(frozen=True)
@@ -87,8 +94,10 @@ class PredictionCheck:
             meas = "not measured" if m.measured_p50_ms is None else (
                 f"measured {m.measured_p50_ms:.1f} ms ({m.error_share:+.0%}: "
                 f"{'within' if m.held else 'outside'} {self.p50_tolerance_share:.0%})")
+            hop = (f" (its TTFT less the {m.answer_hop_ms:.1f} ms hop back: measured to the "
+                   f"decode's first step)" if m.answer_hop_ms else "")
             out.append(f"{m.mode} ({m.config}): predicted p50 {m.predicted_p50_ms:.1f} ms "
-                       f"[{m.model}], {meas}")
+                       f"[{m.model}]{hop}, {meas}")
         if self.ranked_first is not None:
             out.append(f"kvtune ranks {self.ranked_first} first; lowest measured p50: "
                        f"{self.measured_best or 'n/a'}"
@@ -147,6 +156,18 @@ def reusable_history(cfg: ConfigResult, plans: Sequence[ConversationPlan], *,
     return total, offered if seen else None
 
 
+def answer_hop_ms(evidence: Mapping[str, Any]) -> float:
+    """The simulator's hop that carries the first token back (``overheads.hop_ms`` of the mode
+    evidence's ``sim_inputs``); 0 for the analytic model or when not listed."""
+    if str(evidence.get("model") or "") != "kvtune.sim":
+        return 0.0
+    for item in evidence.get("sim_inputs") or ():
+        if isinstance(item, Mapping) and item.get("name") == "overheads.hop_ms" \
+                and isinstance(item.get("value"), (int, float)):
+            return float(item["value"])
+    return 0.0
+
+
 def check(recommendation: Mapping[str, Any], measured: Sequence[ConfigResult],
           plans: Sequence[ConversationPlan]) -> PredictionCheck | None:
     """The check of ``recommendation.json``'s predictions against ``measured`` (None when the
@@ -160,22 +181,29 @@ def check(recommendation: Mapping[str, Any], measured: Sequence[ConfigResult],
     ttl = ttl_item.get("value")
     if not expected:
         return None
+    from kvtune.verify.results import TTFT_BASIS_DECODE, TTFT_BASIS_ROUTER  # (it imports us)
+
     modes: list[ModePrediction] = []
     best: dict[str, float] = {}
+    hop = answer_hop_ms(ev)
     for mode in MODES:
         pred = _get(expected, mode, "p50")
         if not isinstance(pred, (int, float)):
             continue
         cfg = next((c for c in measured if c.config.mode == mode
                     and _matches_recommended(c, thr, ttl)), None)
+        basis = cfg.ttft_basis if cfg is not None else TTFT_BASIS_ROUTER
+        off = hop if basis == TTFT_BASIS_DECODE else 0.0
+        pred = float(pred) - off
         p50 = cfg.ttft_p50 if cfg is not None else None
         value = p50.value_ms if p50 is not None else None
-        err = value / float(pred) - 1.0 if value is not None and pred > 0 else None
+        err = value / pred - 1.0 if value is not None and pred > 0 else None
         modes.append(ModePrediction(
             config=cfg.config.name if cfg is not None else "", mode=mode, model=model,
-            predicted_p50_ms=float(pred), measured_p50_ms=value,
+            predicted_p50_ms=pred, measured_p50_ms=value,
             measured_p50_ci_ms=(p50.low_ms, p50.high_ms) if p50 is not None else None,
-            error_share=err, held=None if err is None else abs(err) <= P50_TOLERANCE_SHARE))
+            error_share=err, held=None if err is None else abs(err) <= P50_TOLERANCE_SHARE,
+            basis=basis, answer_hop_ms=off))
         if value is not None:
             best[mode] = value
     first = mode_item.get("value")

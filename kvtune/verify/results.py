@@ -18,6 +18,13 @@ RESULT_FORMAT: Final = "kvtune.verify/1"
 RESULT_FILE: Final = "verify.json"
 PAGE_FILE: Final = "verify.html"
 MAX_RESULT_BYTES: Final = 64 * 1024 * 1024
+TTFT_BASIS_DECODE: Final = "decode_first_step"
+"""TTFT measured to the decode's first step: the router's ``kv.request`` began -> the decode's
+``kv.decode_start`` ended (the request scheduled for its first token, its KV in place). Every
+mode's KV path is inside it, as in the simulator's TTFT (less the answer's hop back)."""
+TTFT_BASIS_ROUTER: Final = "router"
+"""TTFT as the router saw it (``kv.ttft_ms``): for a non-streamed request, the prefill's answer,
+before any KV reached the decode."""
 
 
 @dataclass(frozen=True)
@@ -28,13 +35,18 @@ class RequestMeasurement:
     turn: int
     prompt_tokens: int
     ttft_ms: float | None
-    """From the router's ``kv.request`` span (request in -> first token available)."""
+    """On the configuration's ``ttft_basis``: request in at the router -> the decode scheduled the
+    request's first decode step (all its KV in place), from the router's and the decode's spans;
+    else the router's ``kv.ttft_ms``."""
     latency_ms: float
     ok: bool
     error: str = ""
     offered_tokens: int | None = None
     """History the router offered the prefill back from the decode that retained it
     (``kv.reuse.remote_tokens`` of its ``kv.request`` span; None: not traced)."""
+    router_ttft_ms: float | None = None
+    """The router's ``kv.ttft_ms`` (non-streamed: the prefill's answer), beside ``ttft_ms`` when
+    that is measured to the decode's first step."""
 
     @property
     def key(self) -> str:
@@ -69,6 +81,8 @@ class ConfigResult:
     decode_kv_blocks_total: int | None
     """The decode's KV blocks (``num_gpu_blocks`` of ``vllm:cache_config_info``), when shown."""
     wall_s: float
+    ttft_basis: str = TTFT_BASIS_ROUTER
+    """What ``ttft_ms`` measures: :data:`TTFT_BASIS_DECODE` or :data:`TTFT_BASIS_ROUTER`."""
 
     @property
     def n_failed(self) -> int:

@@ -1,0 +1,112 @@
+"""Traces that hold more than one P/D mode: which mode the advice reads, and what the others tell.
+
+Every kvtune span carries ``kv.mode``. A trace may hold requests served in several modes (an A/B
+of push against pull, or ``kvtune tune``'s short push segment beside its bidirectional run). The
+fits and the workload are read from one mode's spans (the one with the most requests, the
+*main* mode) with the probe's; mixing modes would mix conversations and transfer kinds. Each
+mode's own requests then say what its TTFT was (:func:`measured_ttft`), which the mode comparison
+takes over the simulator's for that mode (``kvtune.recommend.mode``).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import pandas as pd
+
+from kvtune import spans as S
+
+MIN_MODE_REQUESTS = 6
+"""Fewer traced requests of a mode than this give it no measured TTFT."""
+
+
+@dataclass(frozen=True)
+class ModeSplit:
+    main: str | None
+    """The serving mode the advice reads (None: no span names one)."""
+    requests: dict[str, int]
+    """Requests per serving mode (``kv.request`` spans, else ``kv.prefill`` spans)."""
+    main_spans: pd.DataFrame
+    """The main mode's spans, the probe's and those naming no mode."""
+    others: dict[str, pd.DataFrame]
+    """The other serving modes' spans."""
+
+
+def split_modes(spans: pd.DataFrame) -> ModeSplit:
+    """Split ``spans`` (``kvtune.traces.load``'s frame) by serving mode (see module doc)."""
+    if spans.empty or S.MODE not in spans.columns or "name" not in spans.columns:
+        return ModeSplit(None, {}, spans, {})
+    mode = spans[S.MODE].astype("object")
+    serving = mode.notna() & (mode != S.Mode.PROBE.value)
+    name = spans["name"].astype("object")
+    counted = name == S.SpanName.REQUEST.value
+    if not (counted & serving).any():
+        counted = name == S.SpanName.PREFILL.value
+    counts = mode[(counted & serving).to_numpy(dtype=bool)].value_counts()
+    requests = {str(k): int(v) for k, v in counts.items()}
+    if len(requests) <= 1:
+        return ModeSplit(next(iter(requests), None), requests, spans, {})
+    main = max(sorted(requests), key=lambda m: requests[m])
+    keep = (~serving | (mode == main)).to_numpy(dtype=bool)
+    others = {m: spans[(mode == m).to_numpy(dtype=bool)] for m in sorted(requests) if m != main}
+    return ModeSplit(main, requests, spans[keep], others)
+
+
+@dataclass(frozen=True)
+class MeasuredTtft:
+    """TTFT to the decode's first step of one mode's traced requests (see :func:`first_step_ttft`)."""
+
+    p50_ms: float
+    p99_ms: float
+    n_requests: int
+
+    def as_dict(self) -> dict[str, float | int]:
+        return {"p50_ms": self.p50_ms, "p99_ms": self.p99_ms, "n_requests": self.n_requests}
+
+
+def first_step_ttft(spans: pd.DataFrame) -> pd.DataFrame:
+    """Per request that a router traced and whose decode step was traced: ``trace_id``,
+    ``client_request_id``, ``mode`` and ``ttft_ms`` = the router's ``kv.request`` began -> the
+    decode's ``kv.decode_start`` ended (the request scheduled for its first token, its KV in
+    place). Unlike the router's ``kv.ttft_ms`` of a non-streamed request (the prefill's answer),
+    every mode's KV path is inside it."""
+    cols = ["trace_id", "client_request_id", "mode", "ttft_ms"]
+    if spans.empty or not {"name", "trace_id", "start_ns", "end_ns", S.ROLE} <= set(spans.columns):
+        return pd.DataFrame(columns=cols)
+    name = spans["name"].astype("object")
+    req = spans[(name == S.SpanName.REQUEST.value).to_numpy(dtype=bool)]
+    ds = spans[((name == S.SpanName.DECODE_START.value)
+                & (spans[S.ROLE].astype("object") == S.Role.DECODE.value)).to_numpy(dtype=bool)]
+    if req.empty or ds.empty:
+        return pd.DataFrame(columns=cols)
+    first = ds.groupby("trace_id")["end_ns"].min()
+    req = req.drop_duplicates("trace_id")
+    end = req["trace_id"].map(first)
+    keep = (end.notna() & (end >= req["start_ns"])).to_numpy(dtype=bool)
+    req, end = req[keep], end[keep]
+    if S.CLIENT_REQUEST_ID in req.columns:
+        rid = req[S.CLIENT_REQUEST_ID].astype("object")
+    else:  # not a typed column: every attribute is in ``attrs``
+        rid = pd.Series([a.get(S.CLIENT_REQUEST_ID) if isinstance(a, dict) else None
+                         for a in (req["attrs"] if "attrs" in req.columns else [None] * len(req))],
+                        index=req.index, dtype="object")
+    mode = (req[S.MODE].astype("object") if S.MODE in req.columns
+            else pd.Series(None, index=req.index, dtype="object"))
+    return pd.DataFrame({"trace_id": req["trace_id"].to_numpy(), "client_request_id": rid.to_numpy(),
+                         "mode": mode.to_numpy(),
+                         "ttft_ms": (end.astype("int64") - req["start_ns"].astype("int64"))
+                         .to_numpy(dtype=float) / 1e6})
+
+
+def measured_ttft(spans: pd.DataFrame) -> dict[str, MeasuredTtft]:
+    """:func:`first_step_ttft`'s p50/p99 per serving mode with at least
+    :data:`MIN_MODE_REQUESTS` requests."""
+    t = first_step_ttft(spans)
+    out = {}
+    for mode, g in t.dropna(subset=["mode"]).groupby("mode"):
+        if str(mode) == S.Mode.PROBE.value or len(g) < MIN_MODE_REQUESTS:
+            continue
+        v = g["ttft_ms"].to_numpy(dtype=float)
+        out[str(mode)] = MeasuredTtft(float(np.quantile(v, 0.5)), float(np.quantile(v, 0.99)),
+                                      int(len(v)))
+    return out
