@@ -110,3 +110,27 @@ def measured_ttft(spans: pd.DataFrame) -> dict[str, MeasuredTtft]:
         out[str(mode)] = MeasuredTtft(float(np.quantile(v, 0.5)), float(np.quantile(v, 0.99)),
                                       int(len(v)))
     return out
+
+
+@dataclass(frozen=True)
+class TracedSettings:
+    """The reuse settings the traced requests ran under (medians of what the spans carry)."""
+
+    threshold_tokens: int | None
+    """``kv.reuse.threshold_tokens`` of the prefill's reuse decisions."""
+    ttl_s: float | None
+    """``kv.retention.ttl_s`` of the decode's retentions."""
+
+
+def traced_settings(spans: pd.DataFrame) -> TracedSettings:
+    """:class:`TracedSettings` of ``spans`` (None where no span says)."""
+    def median(col: str, span: str) -> float | None:
+        if spans.empty or col not in spans.columns or "name" not in spans.columns:
+            return None
+        sel = spans[(spans["name"].astype("object") == span).to_numpy(dtype=bool)]
+        v = pd.to_numeric(sel[col], errors="coerce").dropna()
+        return float(v.median()) if len(v) else None
+
+    thr = median(S.REUSE_THRESHOLD_TOKENS, S.SpanName.REUSE_DECISION.value)
+    return TracedSettings(None if thr is None else int(round(thr)),
+                          median(S.RETENTION_TTL_S, S.SpanName.RETENTION.value))

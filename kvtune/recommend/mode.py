@@ -28,7 +28,7 @@ import numpy as np
 from kvtune import spans as sc
 from kvtune.analysis.fit import FloorFit
 from kvtune.analysis.hops import RouterHops
-from kvtune.analysis.modes import MeasuredTtft
+from kvtune.analysis.modes import MeasuredTtft, TracedSettings
 from kvtune.analysis.prefill import PrefillCost
 from kvtune.analysis.workload import TracedRequest, Workload
 from kvtune.errors import SimError
@@ -121,7 +121,8 @@ def _simulated(workload: Workload, fit: FloorFit, prefill: PrefillCost, *, bytes
 
 
 def _with_measured(sim: SimTtft, inputs: tuple[SimInput, ...],
-                   measured: Mapping[str, MeasuredTtft], main_mode: str | None
+                   measured: Mapping[str, MeasuredTtft], main_mode: str | None,
+                   traced: SimTtft | None = None
                    ) -> tuple[SimTtft, float | None, dict[str, str]]:
     """The TTFT per mode the choice uses, where the trace measured some: each traced mode's
     measured TTFT in place of its simulated one, and the simulator's other modes scaled by the
@@ -131,12 +132,15 @@ def _with_measured(sim: SimTtft, inputs: tuple[SimInput, ...],
 
     The measurements end at the decode's first step; the simulator's TTFT also carries the first
     token back to the client (``overheads.hop_ms``): it is added to the measured values, and
-    taken off the simulated ones before scaling."""
+    taken off the simulated ones before scaling. ``traced``: the simulator's TTFT at the settings
+    the traced requests ran under (the main mode's is what its measurement is compared with;
+    None: ``sim``'s)."""
     hop = next((float(i.value) for i in inputs if i.name == "overheads.hop_ms"
                 and isinstance(i.value, (int, float))), 0.0)
+    base = (traced or sim).get(main_mode) if main_mode is not None else None
     scale = None
-    if main_mode in measured and main_mode in sim and sim[main_mode][0] - hop > 0:
-        scale = measured[main_mode].p50_ms / (sim[main_mode][0] - hop)
+    if main_mode in measured and base is not None and base[0] - hop > 0:
+        scale = measured[main_mode].p50_ms / (base[0] - hop)
     out: SimTtft = {}
     how: dict[str, str] = {}
     for m, (p50, p99) in sim.items():
@@ -219,7 +223,8 @@ def recommend_mode(workload: Workload, fit: FloorFit, prefill: PrefillCost, *,
                    fit_source: str = "floor fit", prefix_caching: bool | None = None,
                    prefix_caching_source: str = "setting", first_step_ms: float | None = None,
                    first_step_source: str = "measured", hops: RouterHops | None = None,
-                   measured: Mapping[str, MeasuredTtft] | None = None, main_mode: str | None = None
+                   measured: Mapping[str, MeasuredTtft] | None = None, main_mode: str | None = None,
+                   traced_settings: TracedSettings | None = None
                    ) -> tuple[Recommendation, list[Finding]]:
     """Compare the modes' expected TTFT and pick one (see module doc). ``use_simulator=False``
     keeps to the analytic model; ``fit_source`` names where the floor fit came from (for the list
@@ -228,7 +233,8 @@ def recommend_mode(workload: Workload, fit: FloorFit, prefill: PrefillCost, *,
     ``first_step_ms`` (None: the preset's decode step) the decode's time from KV ready to the first
     token, as traced; ``hops`` (None: the preset's) the router's hop and intake, as traced;
     ``measured`` the TTFT (to the decode's first step) of each mode the trace served, with
-    ``main_mode`` the one the fits were read from (see :func:`_with_measured`)."""
+    ``main_mode`` the one the fits were read from and ``traced_settings`` the reuse settings it
+    ran under (see :func:`_with_measured`)."""
     thr = math.inf if threshold == NEVER else float(threshold)
     findings: list[Finding] = []
     ttft, util = _analytic(workload, fit, prefill, bytes_per_token=bytes_per_token,
@@ -265,7 +271,26 @@ def recommend_mode(workload: Workload, fit: FloorFit, prefill: PrefillCost, *,
     raw_sim = sim
     if sim and all(math.isfinite(v[0]) for v in sim.values()):
         if measured:
-            sim, sim_scale, sources = _with_measured(sim, inputs or (), measured, main_mode)
+            at_traced = None
+            if traced_settings is not None and main_mode == sc.Mode.BIDIRECTIONAL.value and (
+                    traced_settings.threshold_tokens is not None or traced_settings.ttl_s):
+                try:  # the main mode as it was traced (tune pulls every history back)
+                    at_traced, _ = _simulated(
+                        workload, fit, prefill, bytes_per_token=bytes_per_token,
+                        descriptors_per_token=descriptors_per_token,
+                        ttl_s=traced_settings.ttl_s or (ttl_s if ttl_s > 0 else None),
+                        threshold_tokens=(traced_settings.threshold_tokens
+                                          if traced_settings.threshold_tokens is not None
+                                          else None if thr == math.inf else int(thr)),
+                        prefill_instances=prefill_instances, fit_source=fit_source,
+                        prefix_caching=prefix_caching,
+                        prefix_caching_source=prefix_caching_source,
+                        first_step_ms=first_step_ms, first_step_source=first_step_source,
+                        max_requests=DEFAULT_MAX_REQUESTS, hops=hops)
+                except SimError:
+                    at_traced = None
+            sim, sim_scale, sources = _with_measured(sim, inputs or (), measured, main_mode,
+                                                     at_traced)
         ttft, model = {**ttft, **sim}, "kvtune.sim"
     else:
         sim = raw_sim = None

@@ -11,7 +11,7 @@ import pandas as pd
 
 from kvtune.analysis.fit import FloorFit, fit_floor
 from kvtune.analysis.hops import router_hops
-from kvtune.analysis.modes import measured_ttft, split_modes
+from kvtune.analysis.modes import measured_ttft, split_modes, traced_settings
 from kvtune.analysis.prefill import PrefillCost, local_prefix_hits, prefill_cost
 from kvtune.analysis.transfers import transfers as transfers_table
 from kvtune.analysis.workload import Workload, workload as workload_of
@@ -236,7 +236,8 @@ def recommend(spans: pd.DataFrame, *, geometry: Any = None,
                                                f"transfers); later steps take the same in the "
                                                f"simulator",
                              hops=hops if hops.hop_ms is not None else None,
-                             measured=measured, main_mode=split.main)
+                             measured=measured, main_mode=split.main,
+                             traced_settings=traced_settings(spans))
     findings += f
     findings += readiness(tr, traced, fit=fit, workload=wl, fabric=fabric)
     # What each Tempo source read (range, traces, spans) and whether its search was cut short.

@@ -44,9 +44,10 @@ WORKLOAD_BUDGET_S = 900.0
 PARALLEL_CONVERSATIONS = 2
 RECOMPUTE_THRESHOLD = 1
 """The pair pulls any history back (threshold 1), so reverse transfers of every size are traced."""
-PUSH_CONVERSATIONS_PER_SIZE = 1
-"""After the bidirectional run, a short push segment (one conversation per first-prompt size, the
-same turns): its requests' own TTFT stands for push in the mode comparison
+PUSH_CONVERSATIONS_PER_SIZE = CONVERSATIONS_PER_SIZE
+"""After the bidirectional run, a push segment of the same traffic (another seed; 12 requests
+gave a p50 off by half in one run: push's TTFT here is bimodal): its requests' own TTFT stands for
+push in the mode comparison
 (``kvtune.analysis.modes``). On this host push's legs run at once on the same two cores, which a
 model of two machines does not see (measured: the prefill's compute took about twice as long in
 push as in pull, on the same prompts)."""
