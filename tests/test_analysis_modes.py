@@ -72,3 +72,25 @@ def test_measured_modes_replace_simulated_ones_and_scale_the_rest():
     # no measurement of the main mode: the simulator's numbers stand for unmeasured modes
     out, scale, how = _with_measured(sim, inputs, {"push": measured["push"]}, "bidirectional")
     assert scale is None and out["pull"] == sim["pull"] and out["push"] == (56.0, 214.0)
+
+
+def test_traced_settings_and_the_scale_at_them():
+    from kvtune.analysis.modes import traced_settings
+
+    rows = [_span("t1", S.SpanName.REUSE_DECISION.value, 0, 0.1, "bidirectional",
+                  S.Role.PREFILL.value, **{S.REUSE_THRESHOLD_TOKENS: 1}),
+            _span("t2", S.SpanName.RETENTION.value, 0, 900, "bidirectional", S.Role.DECODE.value,
+                  **{S.RETENTION_TTL_S: 480.0})]
+    df = _frame(rows)
+    df[S.REUSE_THRESHOLD_TOKENS] = [1, None]
+    df[S.RETENTION_TTL_S] = [None, 480.0]
+    got = traced_settings(df)
+    assert (got.threshold_tokens, got.ttl_s) == (1, 480.0)
+    assert traced_settings(_frame([])) == type(got)(None, None)
+    # the main mode is compared with the simulator at the settings it was traced under
+    sim = {"pull": (44.0, 90.0), "bidirectional": (44.0, 90.0)}
+    at_traced = {"pull": (44.0, 90.0), "bidirectional": (54.0, 100.0)}
+    inputs = (SimInput("overheads.hop_ms", 4.0, "measured"),)
+    measured = {"bidirectional": MeasuredTtft(60.0, 200.0, 20)}
+    _, scale, _ = _with_measured(sim, inputs, measured, "bidirectional", at_traced)
+    assert scale == pytest.approx(60.0 / 50.0)

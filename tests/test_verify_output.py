@@ -226,11 +226,16 @@ def test_ttft_basis_is_the_decode_only_when_every_answered_request_has_it():
     assert [(r.ttft_ms, r.router_ttft_ms) for r in reqs] == [(32.0, 7.0), (40.0, 8.0),
                                                              (None, None)]
     assert reqs[1].offered_tokens == 300
-    # one answered request without a decode first step: the router's TTFT for all
+    # one of two answered requests without a decode first step: the router's TTFT for all
     reqs, basis = measure.measurements(res, facts, {"r1": 32.0})
     assert basis == results.TTFT_BASIS_ROUTER
     assert [r.ttft_ms for r in reqs] == [7.0, 8.0, None]
     assert all(r.router_ttft_ms is None for r in reqs)
+    # one of twenty (its decode's spans lost): the decode basis, that request without a TTFT
+    many = [RequestResult("c", 1, f"q{i}", 10, 2, 0.0, 90.0, 5.0, True) for i in range(20)]
+    reqs, basis = measure.measurements(many, {}, {f"q{i}": 30.0 + i for i in range(1, 20)})
+    assert basis == results.TTFT_BASIS_DECODE
+    assert reqs[0].ttft_ms is None and reqs[0].ok and reqs[1].ttft_ms == 31.0
     reqs, basis = measure.measurements(res, facts)
     assert basis == results.TTFT_BASIS_ROUTER and reqs[0].ttft_ms == 7.0
 

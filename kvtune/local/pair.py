@@ -60,6 +60,11 @@ from kvtune.spans import CONVERSATION_HEADER, Mode
 
 AGENT_SETTING_KEYS: Final = (PROGRESS_DELAY_KEY, THREAD_KEY, IDLE_WAIT_KEY)
 """``kv_connector_extra_config`` keys only kvtune's connectors (and the plain ones) read."""
+SPAN_EXPORT_DELAY_ENV: Final = "OTEL_BSP_SCHEDULE_DELAY"
+SPAN_EXPORT_DELAY_MS: Final = 500
+"""How often the servers' span exporters write (OpenTelemetry's default is every 5 s): spans still
+queued when a server is stopped can be lost, so a run that stops the pair right after its last
+request (``kvtune verify``, ``kvtune tune``) waits about twice this first."""
 SPANS_DIR_ENV: Final = "KVTUNE_SPANS_DIR"
 """Environment variable that tells kvtune's connectors where to write OTLP-JSON span lines."""
 KV_LEASE_DURATION_S: Final = 30
@@ -343,6 +348,7 @@ class LocalPair(_Servers):
         if self.spans_dir is not None:
             self.spans_dir.mkdir(parents=True, exist_ok=True)
             env[SPANS_DIR_ENV] = str(self.spans_dir.resolve())
+            env.setdefault(SPAN_EXPORT_DELAY_ENV, str(SPAN_EXPORT_DELAY_MS))
         for pair_attempt in range(1, PAIR_START_ATTEMPTS + 1):
             try:
                 self._start_once(model_dir, env)

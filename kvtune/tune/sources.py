@@ -202,7 +202,7 @@ def _pair(out: Path, *, seed: int, first_prompt_tokens: Sequence[int],
     """Run the workload on a fresh pair in ``mode``; spans under ``out/pair`` and ``out/router``
     (``out/pair-MODE``, ``out/router-MODE`` for a mode other than bidirectional)."""
     from kvtune import spans as S
-    from kvtune.local.pair import LocalPair
+    from kvtune.local.pair import SPAN_EXPORT_DELAY_MS, LocalPair
     from kvtune.router import InstanceConfig, RouterConfig, RouterProcess
 
     tag = "" if mode == S.Mode.BIDIRECTIONAL.value else f"-{mode}"
@@ -220,9 +220,11 @@ def _pair(out: Path, *, seed: int, first_prompt_tokens: Sequence[int],
                            decode_timeout_s=REQUEST_TIMEOUT_S,
                            telemetry={"json_path": str(out / f"router{tag}")})
         with RouterProcess(cfg, workdir=workdir / "router") as router:
-            return run_workload(router.url, seed=seed, first_prompt_tokens=first_prompt_tokens,
-                                conversations_per_size=conversations_per_size, turns=turns,
-                                budget_s=budget_s, conversation_prefix=f"conv{tag}")
+            stats = run_workload(router.url, seed=seed, first_prompt_tokens=first_prompt_tokens,
+                                 conversations_per_size=conversations_per_size, turns=turns,
+                                 budget_s=budget_s, conversation_prefix=f"conv{tag}")
+        time.sleep(2 * SPAN_EXPORT_DELAY_MS / 1000)  # the last requests' spans, before the stop
+        return stats
 
 
 def workload_plans(n_conversations: int = len(FIRST_PROMPT_TOKENS) * CONVERSATIONS_PER_SIZE, *,
