@@ -3,9 +3,9 @@
 1. The fabric probe: two NIXL agents in two processes sweep KV-shaped transfers (local geometry).
 2. The local vLLM prefill/decode pair on a tiny local model, bidirectional mode with kvtune's
    instrumented connectors, driven through the kvtune router (a subprocess) by a multi-turn,
-   agent-like workload (conversations with growing history and think-time gaps); then a short
-   push segment on a fresh pair (:data:`PUSH_CONVERSATIONS_PER_SIZE`), whose requests' measured
-   TTFT stands for push in the mode comparison.
+   agent-like workload (conversations with growing history and think-time gaps); then the same
+   traffic in push and in pull, each on a fresh pair (:data:`SEGMENT_MODES`), whose requests'
+   measured TTFT stands for each mode in the mode comparison.
 3. When vLLM cannot run here (not installed, or the pair fails), the simulator stands in, calibrated
    with the probe's fit, and the source's kind says so (``probe+sim``).
 """
@@ -44,13 +44,15 @@ WORKLOAD_BUDGET_S = 900.0
 PARALLEL_CONVERSATIONS = 2
 RECOMPUTE_THRESHOLD = 1
 """The pair pulls any history back (threshold 1), so reverse transfers of every size are traced."""
-PUSH_CONVERSATIONS_PER_SIZE = CONVERSATIONS_PER_SIZE
-"""After the bidirectional run, a push segment of the same traffic (another seed; 12 requests
-gave a p50 off by half in one run: push's TTFT here is bimodal): its requests' own TTFT stands for
-push in the mode comparison
-(``kvtune.analysis.modes``). On this host push's legs run at once on the same two cores, which a
-model of two machines does not see (measured: the prefill's compute took about twice as long in
-push as in pull, on the same prompts)."""
+SEGMENT_MODES = ("push", "pull")
+"""After the bidirectional run, the same traffic (another seed) in each of these modes on a fresh
+pair: each mode's own requests' TTFT then stands for it in the mode comparison
+(``kvtune.analysis.modes``). On this host the modes differ in ways a model of two machines does
+not see: push's legs run at once on the same two cores (the prefill's compute took about twice as
+long in push as in pull, on the same prompts), and a bidirectional pair was measured 10-20%
+slower than a pull pair even where nothing was pulled back. 12 requests a segment gave a p50
+off by half in one run (push's TTFT here is bimodal); 24 do not."""
+SEGMENT_CONVERSATIONS_PER_SIZE = CONVERSATIONS_PER_SIZE
 
 
 @dataclass(frozen=True)
@@ -111,18 +113,20 @@ def _make(out: Path, *, seed: int, use_vllm: bool, probe_tokens: Sequence[int],
                           conversations_per_size=conversations_per_size, turns=turns,
                           budget_s=budget_s, link=link)
             details.update(stats)
-            push = ""
-            try:
-                pst = _pair(out, seed=seed + 1, first_prompt_tokens=first_prompt_tokens,
-                            conversations_per_size=PUSH_CONVERSATIONS_PER_SIZE, turns=turns,
-                            budget_s=budget_s, link=link, mode="push")
-                details["push_segment"] = {k: pst[k] for k in ("requests_ok", "requests_failed",
-                                                                "conversations")}
-                push = f", then a push segment of {pst['requests_ok']} requests"
-            except Exception as exc:  # the advice stands without it (push then simulated)
-                log.warning("the push segment failed (%s: %s); push is simulated",
-                            type(exc).__name__, exc)
-                details["push_error"] = f"{type(exc).__name__}: {exc}"
+            segments = []
+            for k, mode in enumerate(SEGMENT_MODES, start=1):
+                try:
+                    sst = _pair(out, seed=seed + k, first_prompt_tokens=first_prompt_tokens,
+                                conversations_per_size=SEGMENT_CONVERSATIONS_PER_SIZE,
+                                turns=turns, budget_s=budget_s, link=link, mode=mode)
+                    details[f"{mode}_segment"] = {key: sst[key] for key in (
+                        "requests_ok", "requests_failed", "conversations")}
+                    segments.append(f"{sst['requests_ok']} in {mode}")
+                except Exception as exc:  # the advice stands without it (the mode simulated)
+                    log.warning("the %s segment failed (%s: %s); %s is simulated", mode,
+                                type(exc).__name__, exc, mode)
+                    details[f"{mode}_error"] = f"{type(exc).__name__}: {exc}"
+            push = f", then the same traffic again: {', '.join(segments)}" if segments else ""
             return DefaultSpans(out, "vllm-pair",
                                 f"probe (NIXL, 2 processes) + local vLLM pair (bidirectional, kvtune "
                                 f"connectors){on} through the kvtune router: {stats['requests_ok']} "
