@@ -94,3 +94,19 @@ def test_traced_settings_and_the_scale_at_them():
     measured = {"bidirectional": MeasuredTtft(60.0, 200.0, 20)}
     _, scale, _ = _with_measured(sim, inputs, measured, "bidirectional", at_traced)
     assert scale == pytest.approx(60.0 / 50.0)
+
+
+def test_a_measured_mode_leaves_pull_only_when_its_interval_clears_pull():
+    from kvtune.recommend.mode import _pick
+
+    ttft = {"pull": (48.0, 90.0), "push": (60.0, 99.0), "bidirectional": (44.0, 80.0)}
+    allowed = ["pull", "push", "bidirectional"]
+    noisy = {"pull": MeasuredTtft(48.0, 90.0, 24, (42.0, 55.0)),
+             "bidirectional": MeasuredTtft(44.0, 80.0, 24, (38.0, 50.0))}  # reaches 48
+    assert _pick(ttft, allowed) == "bidirectional"
+    assert _pick(ttft, allowed, noisy) == "pull"
+    clear = {**noisy, "bidirectional": MeasuredTtft(44.0, 80.0, 24, (40.0, 46.0))}
+    assert _pick(ttft, allowed, clear) == "bidirectional"
+    got = measured_ttft(_frame([r for i in range(20) for r in _request(i, "pull", 30.0 + i)]))
+    lo, hi = got["pull"].p50_ci_ms
+    assert lo <= got["pull"].p50_ms <= hi and hi - lo > 0

@@ -16,6 +16,8 @@ import pandas as pd
 
 from kvtune import spans as S
 
+BOOTSTRAP_DRAWS = 1000
+BOOTSTRAP_SEED = 0
 MIN_MODE_REQUESTS = 6
 """Fewer traced requests of a mode than this give it no measured TTFT."""
 
@@ -59,9 +61,13 @@ class MeasuredTtft:
     p50_ms: float
     p99_ms: float
     n_requests: int
+    p50_ci_ms: tuple[float, float] = (float("nan"), float("nan"))
+    """95% percentile-bootstrap interval of ``p50_ms`` (the requests' own spread; two pair starts
+    differ by a few milliseconds beyond it)."""
 
-    def as_dict(self) -> dict[str, float | int]:
-        return {"p50_ms": self.p50_ms, "p99_ms": self.p99_ms, "n_requests": self.n_requests}
+    def as_dict(self) -> dict[str, float | int | list[float]]:
+        return {"p50_ms": self.p50_ms, "p99_ms": self.p99_ms, "n_requests": self.n_requests,
+                "p50_ci_ms": list(self.p50_ci_ms)}
 
 
 def first_step_ttft(spans: pd.DataFrame) -> pd.DataFrame:
@@ -107,8 +113,11 @@ def measured_ttft(spans: pd.DataFrame) -> dict[str, MeasuredTtft]:
         if str(mode) == S.Mode.PROBE.value or len(g) < MIN_MODE_REQUESTS:
             continue
         v = g["ttft_ms"].to_numpy(dtype=float)
+        rng = np.random.default_rng(BOOTSTRAP_SEED)
+        draws = np.median(v[rng.integers(0, len(v), (BOOTSTRAP_DRAWS, len(v)))], axis=1)
+        lo, hi = np.quantile(draws, [0.025, 0.975])
         out[str(mode)] = MeasuredTtft(float(np.quantile(v, 0.5)), float(np.quantile(v, 0.99)),
-                                      int(len(v)))
+                                      int(len(v)), (float(lo), float(hi)))
     return out
 
 

@@ -172,13 +172,19 @@ def _close(sim: SimTtft) -> bool:
     return len(p50s) >= 2 and p50s[1] <= p50s[0] * (1.0 + CLOSE_CALL_SHARE)
 
 
-def _pick(ttft: dict[str, tuple[float, float]], allowed: list[str]) -> str:
+def _pick(ttft: dict[str, tuple[float, float]], allowed: list[str],
+          measured: Mapping[str, MeasuredTtft] | None = None) -> str:
     """The allowed mode with the lowest p50, unless it beats pull by no more than
-    ``MIN_GAIN_SHARE`` (then pull)."""
-    pull_p50 = ttft[sc.Mode.PULL.value][0]
+    ``MIN_GAIN_SHARE``, or (both measured) its p50's 95% interval reaches pull's p50: then pull,
+    vLLM's default, which nothing measured to beat it."""
+    pull = sc.Mode.PULL.value
+    pull_p50 = ttft[pull][0]
     best = min(allowed, key=lambda m: (ttft[m][0], ttft[m][1]))
-    if best != sc.Mode.PULL.value and ttft[best][0] > pull_p50 * (1.0 - MIN_GAIN_SHARE):
-        best = sc.Mode.PULL.value
+    if best != pull and ttft[best][0] > pull_p50 * (1.0 - MIN_GAIN_SHARE):
+        best = pull
+    if best != pull and measured and best in measured and pull in measured \
+            and not measured[best].p50_ci_ms[1] < measured[pull].p50_ms:
+        best = pull
     return best
 
 
@@ -312,7 +318,7 @@ def recommend_mode(workload: Workload, fit: FloorFit, prefill: PrefillCost, *,
         return Recommendation(NAME, sc.Mode.PULL.value, (sc.Mode.PULL.value, sc.Mode.PULL.value),
                               "mode", ModeEvidence(model=model, excluded=excluded),
                               ("pull by default when nothing can be compared",)), findings
-    best = _pick(ttft, allowed)
+    best = _pick(ttft, allowed, measured if sources else None)
     analytic_best = _pick(analytic, allowed)
     ranked = sorted(allowed, key=lambda m: ttft[m][0])
     runner_up = next((m for m in ranked if m != best), best)
@@ -359,5 +365,7 @@ def recommend_mode(workload: Workload, fit: FloorFit, prefill: PrefillCost, *,
                             f"on {CLOSE_CALL_MAX_REQUESTS}",)
         if agree is False:
             assumptions += (f"the analytic model picks {analytic_best}: the range holds both",)
-    assumptions += (f"another mode must beat pull's p50 by more than {MIN_GAIN_SHARE:.0%}",)
+    assumptions += (f"another mode must beat pull's p50 by more than {MIN_GAIN_SHARE:.0%}"
+                    + (", and where both were measured, with the whole 95% interval of its "
+                       "measured p50" if sources else ""),)
     return Recommendation(NAME, best, (best, runner_up), "mode", evidence, assumptions), findings
