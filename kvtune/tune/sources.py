@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import random
-import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -39,8 +38,6 @@ MAX_TOKENS = 8
 THINK_TIME_S = (0.5, 3.0)
 """Uniform think-time gap between a turn's answer and the next turn (seconds)."""
 REQUEST_TIMEOUT_S = 240.0
-WORKLOAD_BUDGET_S = 900.0
-"""No new turn starts after this much workload time (a stalled machine still ends)."""
 PARALLEL_CONVERSATIONS = 2
 RECOMPUTE_THRESHOLD = 1
 """The pair pulls any history back (threshold 1), so reverse transfers of every size are traced."""
@@ -85,7 +82,6 @@ def make_default_spans(spans_dir: str | Path, *, seed: int = 0, use_vllm: bool =
                        probe_tokens: Sequence[int] = PROBE_TOKENS,
                        first_prompt_tokens: Sequence[int] = FIRST_PROMPT_TOKENS,
                        conversations_per_size: int = CONVERSATIONS_PER_SIZE, turns: int = TURNS,
-                       budget_s: float = WORKLOAD_BUDGET_S,
                        fabric: FabricSpec = FabricSpec()) -> DefaultSpans:
     """Make the default spans in ``spans_dir`` (see module doc) and say where they came from.
     ``fabric``: loopback (default) or a shaped link (``kvtune.local.fabric``) that the probe and
@@ -98,12 +94,12 @@ def make_default_spans(spans_dir: str | Path, *, seed: int = 0, use_vllm: bool =
         return _make(out, seed=seed, use_vllm=use_vllm, probe_tokens=probe_tokens,
                      first_prompt_tokens=first_prompt_tokens,
                      conversations_per_size=conversations_per_size, turns=turns,
-                     budget_s=budget_s, link=link, fabric=fabric.name)
+                     link=link, fabric=fabric.name)
 
 
 def _make(out: Path, *, seed: int, use_vllm: bool, probe_tokens: Sequence[int],
           first_prompt_tokens: Sequence[int], conversations_per_size: int, turns: int,
-          budget_s: float, link: ShapedLink | None, fabric: str) -> DefaultSpans:
+          link: ShapedLink | None, fabric: str) -> DefaultSpans:
     probe = _probe(out / "probe", fabric, probe_tokens, seed, link)
     details: dict[str, Any] = {"probe_floor_ms": getattr(probe, "floor_ms", None)}
     on = f" over {fabric}" if link is not None else ""
@@ -111,14 +107,14 @@ def _make(out: Path, *, seed: int, use_vllm: bool, probe_tokens: Sequence[int],
         try:
             stats = _pair(out, seed=seed, first_prompt_tokens=first_prompt_tokens,
                           conversations_per_size=conversations_per_size, turns=turns,
-                          budget_s=budget_s, link=link)
+                          link=link)
             details.update(stats)
             segments = []
             for k, mode in enumerate(SEGMENT_MODES, start=1):
                 try:
                     sst = _pair(out, seed=seed + k, first_prompt_tokens=first_prompt_tokens,
                                 conversations_per_size=SEGMENT_CONVERSATIONS_PER_SIZE,
-                                turns=turns, budget_s=budget_s, link=link, mode=mode)
+                                turns=turns, link=link, mode=mode)
                     details[f"{mode}_segment"] = {key: sst[key] for key in (
                         "requests_ok", "requests_failed", "conversations")}
                     segments.append(f"{sst['requests_ok']} in {mode}")
@@ -201,7 +197,7 @@ def _sim(spans_dir: Path, probe: Any, seed: int) -> int:
 
 
 def _pair(out: Path, *, seed: int, first_prompt_tokens: Sequence[int],
-          conversations_per_size: int, turns: int, budget_s: float,
+          conversations_per_size: int, turns: int,
           link: ShapedLink | None = None, mode: str = "bidirectional") -> dict[str, Any]:
     """Run the workload on a fresh pair in ``mode``; spans under ``out/pair`` and ``out/router``
     (``out/pair-MODE``, ``out/router-MODE`` for a mode other than bidirectional)."""
@@ -224,20 +220,22 @@ def _pair(out: Path, *, seed: int, first_prompt_tokens: Sequence[int],
                            decode_timeout_s=REQUEST_TIMEOUT_S,
                            telemetry={"json_path": str(out / f"router{tag}")})
         with RouterProcess(cfg, workdir=workdir / "router") as router:
-            stats = run_workload(router.url, seed=seed, first_prompt_tokens=first_prompt_tokens,
-                                 conversations_per_size=conversations_per_size, turns=turns,
-                                 budget_s=budget_s, conversation_prefix=f"conv{tag}")
+            stats = drive(router.url, workload_plans(
+                len(first_prompt_tokens) * conversations_per_size, seed=seed,
+                first_prompt_tokens=first_prompt_tokens, turns=turns))
         time.sleep(2 * SPAN_EXPORT_DELAY_MS / 1000)  # the last requests' spans, before the stop
         return stats
 
 
 def workload_plans(n_conversations: int = len(FIRST_PROMPT_TOKENS) * CONVERSATIONS_PER_SIZE, *,
-                   seed: int = 0) -> list[Any]:
+                   seed: int = 0, first_prompt_tokens: Sequence[int] = FIRST_PROMPT_TOKENS,
+                   turns: int = TURNS) -> list[Any]:
     """The embedded default's traffic as replayable plans (``kvtune.local.workload``), for
     ``kvtune verify --workload tune``: conversations cycling through :data:`FIRST_PROMPT_TOKENS`,
     :data:`TURNS` turns of :data:`NEW_TOKENS_PER_TURN` new tokens and :data:`MAX_TOKENS` output,
     :data:`THINK_TIME_S` gaps; all start at once and :data:`PARALLEL_CONVERSATIONS` run at a
-    time (pass it as ``max_concurrency``), as :func:`run_workload` drives them."""
+    time (pass it as ``max_concurrency``), as :func:`drive` runs them (tune's own traffic and
+    ``kvtune verify --workload tune`` are one flow)."""
     from kvtune.errors import ConfigError
     from kvtune.local.workload import ConversationPlan, TurnPlan
 
@@ -250,85 +248,30 @@ def workload_plans(n_conversations: int = len(FIRST_PROMPT_TOKENS) * CONVERSATIO
 
     plans = []
     for i in range(n_conversations):
-        first = FIRST_PROMPT_TOKENS[i % len(FIRST_PROMPT_TOKENS)]
+        first = first_prompt_tokens[i % len(first_prompt_tokens)]
         turns = tuple(TurnPlan(turn=k, user_tokens=tokens(first if k == 1 else NEW_TOKENS_PER_TURN),
                                max_tokens=MAX_TOKENS,
                                think_time_s=0.0 if k == 1 else rng.uniform(*THINK_TIME_S))
-                      for k in range(1, TURNS + 1))
+                      for k in range(1, turns + 1))
         plans.append(ConversationPlan(conversation_id=f"tune-{seed}-{first}-{i:03d}", start_s=0.0,
                                       system_tokens=(), turns=turns))
     return plans
 
 
-def run_workload(url: str, *, seed: int = 0, first_prompt_tokens: Sequence[int] = FIRST_PROMPT_TOKENS,
-                 conversations_per_size: int = CONVERSATIONS_PER_SIZE, turns: int = TURNS,
-                 budget_s: float = WORKLOAD_BUDGET_S, parallel: int = PARALLEL_CONVERSATIONS,
-                 think_time_s: tuple[float, float] = THINK_TIME_S,
-                 conversation_prefix: str = "conv") -> dict[str, Any]:
-    """Drive multi-turn conversations through the router at ``url`` (agent-like: each turn sends
-    the whole history plus new tokens). Bounded: no new turn after ``budget_s``."""
-    from tqdm import tqdm
+def drive(url: str, plans: Sequence[Any]) -> dict[str, Any]:
+    """Send ``plans`` through the router at ``url`` (:data:`PARALLEL_CONVERSATIONS` at a time,
+    non-streamed, as ``kvtune verify`` replays them) and count the outcome."""
+    from kvtune.errors import KvtuneError
+    from kvtune.local.workload import HttpTarget, run_workload
 
-    from kvtune.local.server import SEED, SERVED_MODEL_NAME
-    from kvtune.router.client import post
-
-    rng = random.Random(seed)
-    convs = [(f"{conversation_prefix}-{size}-{i}", size, rng.random()) for size in first_prompt_tokens
-             for i in range(conversations_per_size)]
-    total = len(convs) * turns
-    bar = tqdm(total=total, desc="workload", unit="req")
-    lock = threading.Lock()
-    stats = {"requests_ok": 0, "requests_failed": 0, "conversations": len(convs),
-             "errors": [], "latencies_s": []}
-    t_end = time.monotonic() + budget_s
-    queue = list(convs)
-
-    def tokens(n: int, r: random.Random) -> list[int]:
-        return [r.randrange(50, 1950) for _ in range(n)]
-
-    def conversation(cid: str, first: int, salt: float) -> None:
-        r = random.Random(f"{seed}-{cid}")
-        history = tokens(first, r)
-        for turn in range(1, turns + 1):
-            if time.monotonic() > t_end:
-                break
-            body = {"model": SERVED_MODEL_NAME, "prompt": history, "max_tokens": MAX_TOKENS,
-                    "temperature": 0.0, "seed": SEED, "ignore_eos": True,
-                    "return_token_ids": True, "conversation_id": cid}
-            t0 = time.monotonic()
-            res = post(url + "/v1/completions", body, timeout_s=REQUEST_TIMEOUT_S)
-            with lock:
-                bar.update(1)
-                stats["latencies_s"].append(time.monotonic() - t0)
-                if res.status != 200:
-                    stats["requests_failed"] += 1
-                    stats["errors"].append(f"{cid} turn {turn}: HTTP {res.status}")
-                    return
-                stats["requests_ok"] += 1
-            out_ids = res.json()["choices"][0].get("token_ids") or []
-            history = history + list(out_ids) + tokens(NEW_TOKENS_PER_TURN, r)
-            time.sleep(r.uniform(*think_time_s))
-
-    def worker() -> None:
-        while True:
-            with lock:
-                if not queue:
-                    return
-                cid, first, salt = queue.pop(0)
-            try:
-                conversation(cid, first, salt)
-            except Exception as exc:  # recorded; the other conversations go on
-                with lock:
-                    stats["requests_failed"] += 1
-                    stats["errors"].append(f"{cid}: {type(exc).__name__}: {exc}")
-
-    threads = [threading.Thread(target=worker, daemon=True) for _ in range(max(1, parallel))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    bar.close()
-    if stats["requests_ok"] == 0:
-        from kvtune.errors import KvtuneError
+    results = run_workload(plans, HttpTarget(url, stream=False, timeout_s=REQUEST_TIMEOUT_S),
+                           max_concurrency=PARALLEL_CONVERSATIONS)
+    ok = [r for r in results if r.ok]
+    stats: dict[str, Any] = {
+        "requests_ok": len(ok), "requests_failed": len(results) - len(ok),
+        "conversations": len(plans),
+        "errors": [f"{r.conversation_id} turn {r.turn}: {r.error}" for r in results if not r.ok],
+        "latencies_s": [r.latency_ms / 1000.0 for r in results]}
+    if not ok:
         raise KvtuneError(f"workload: no request succeeded ({stats['errors'][:3]})")
     return stats
