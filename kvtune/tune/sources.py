@@ -249,12 +249,12 @@ def workload_plans(n_conversations: int = len(FIRST_PROMPT_TOKENS) * CONVERSATIO
     plans = []
     for i in range(n_conversations):
         first = first_prompt_tokens[i % len(first_prompt_tokens)]
-        turns = tuple(TurnPlan(turn=k, user_tokens=tokens(first if k == 1 else NEW_TOKENS_PER_TURN),
-                               max_tokens=MAX_TOKENS,
-                               think_time_s=0.0 if k == 1 else rng.uniform(*THINK_TIME_S))
-                      for k in range(1, turns + 1))
+        conv = tuple(TurnPlan(turn=k, user_tokens=tokens(first if k == 1 else NEW_TOKENS_PER_TURN),
+                              max_tokens=MAX_TOKENS,
+                              think_time_s=0.0 if k == 1 else rng.uniform(*THINK_TIME_S))
+                     for k in range(1, turns + 1))
         plans.append(ConversationPlan(conversation_id=f"tune-{seed}-{first}-{i:03d}", start_s=0.0,
-                                      system_tokens=(), turns=turns))
+                                      system_tokens=(), turns=conv))
     return plans
 
 
