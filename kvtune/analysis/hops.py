@@ -20,6 +20,7 @@ import numpy as np
 import pandas as pd
 
 from kvtune import spans as S
+from kvtune.analysis.modes import spans_named
 from kvtune.analysis.stalls import handoffs_ms
 
 
@@ -42,10 +43,8 @@ def intakes_ms(spans: pd.DataFrame) -> pd.Series:
     -> the prefill's scheduler saw its leg, ms."""
     if not len(spans) or not {"name", "trace_id", S.ROLE} <= set(spans.columns):
         return pd.Series(dtype=float)
-    name = spans["name"].astype("object")
-    req = spans[(name == S.SpanName.REQUEST.value).to_numpy(dtype=bool)]
-    que = spans[((name == S.SpanName.QUEUE.value)
-                 & (spans[S.ROLE].astype("object") == S.Role.PREFILL.value)).to_numpy(dtype=bool)]
+    req = spans_named(spans, S.SpanName.REQUEST.value)
+    que = spans_named(spans, S.SpanName.QUEUE.value, S.Role.PREFILL.value)
     if req.empty or que.empty:
         return pd.Series(dtype=float)
     gap = (que.groupby("trace_id")["start_ns"].min()

@@ -1,11 +1,12 @@
 """Traces that hold more than one P/D mode: which mode the advice reads, and what the others tell.
 
 Every kvtune span carries ``kv.mode``. A trace may hold requests served in several modes (an A/B
-of push against pull, or ``kvtune tune``'s short push segment beside its bidirectional run). The
-fits and the workload are read from one mode's spans (the one with the most requests, the
-*main* mode) with the probe's; mixing modes would mix conversations and transfer kinds. Each
-mode's own requests then say what its TTFT was (:func:`measured_ttft`), which the mode comparison
-takes over the simulator's for that mode (``kvtune.recommend.mode``).
+of push against pull, or ``kvtune tune``'s push and pull runs beside its bidirectional one). The
+workload and the prefill cost are read from one mode's spans (the one with the most requests, the
+*main* mode; ties go to the first name) with the probe's: mixing modes would mix conversations.
+The fabric fit reads every mode's transfers (one fabric). Each mode's own requests then say what
+its TTFT was (:func:`measured_ttft`), which the mode comparison takes over the simulator's for
+that mode (``kvtune.recommend.mode``).
 """
 from __future__ import annotations
 
@@ -20,6 +21,14 @@ BOOTSTRAP_DRAWS = 1000
 BOOTSTRAP_SEED = 0
 MIN_MODE_REQUESTS = 6
 """Fewer traced requests of a mode than this give it no measured TTFT."""
+
+
+def spans_named(spans: pd.DataFrame, name: str, role: str | None = None) -> pd.DataFrame:
+    """``spans``' rows of span ``name`` (emitted by ``role``, when given)."""
+    keep = spans["name"].astype("object") == name
+    if role is not None:
+        keep &= spans[S.ROLE].astype("object") == role
+    return spans[keep.to_numpy(dtype=bool)]
 
 
 @dataclass(frozen=True)
@@ -79,10 +88,8 @@ def first_step_ttft(spans: pd.DataFrame) -> pd.DataFrame:
     cols = ["trace_id", "client_request_id", "mode", "ttft_ms"]
     if spans.empty or not {"name", "trace_id", "start_ns", "end_ns", S.ROLE} <= set(spans.columns):
         return pd.DataFrame(columns=cols)
-    name = spans["name"].astype("object")
-    req = spans[(name == S.SpanName.REQUEST.value).to_numpy(dtype=bool)]
-    ds = spans[((name == S.SpanName.DECODE_START.value)
-                & (spans[S.ROLE].astype("object") == S.Role.DECODE.value)).to_numpy(dtype=bool)]
+    req = spans_named(spans, S.SpanName.REQUEST.value)
+    ds = spans_named(spans, S.SpanName.DECODE_START.value, S.Role.DECODE.value)
     if req.empty or ds.empty:
         return pd.DataFrame(columns=cols)
     first = ds.groupby("trace_id")["end_ns"].min()
@@ -136,8 +143,7 @@ def traced_settings(spans: pd.DataFrame) -> TracedSettings:
     def median(col: str, span: str) -> float | None:
         if spans.empty or col not in spans.columns or "name" not in spans.columns:
             return None
-        sel = spans[(spans["name"].astype("object") == span).to_numpy(dtype=bool)]
-        v = pd.to_numeric(sel[col], errors="coerce").dropna()
+        v = pd.to_numeric(spans_named(spans, span)[col], errors="coerce").dropna()
         return float(v.median()) if len(v) else None
 
     thr = median(S.REUSE_THRESHOLD_TOKENS, S.SpanName.REUSE_DECISION.value)

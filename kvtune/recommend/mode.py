@@ -251,18 +251,24 @@ def recommend_mode(workload: Workload, fit: FloorFit, prefill: PrefillCost, *,
     sim: SimTtft | None = None
     inputs: tuple[SimInput, ...] | None = None
     close_call = False
+    rec_ttl_s = ttl_s if ttl_s > 0 else None
+    rec_threshold = None if thr == math.inf else int(thr)
+
+    def simulated(n: int, *, at_ttl_s: float | None = rec_ttl_s,
+                  at_threshold: int | None = rec_threshold
+                  ) -> tuple[SimTtft, tuple[SimInput, ...]]:
+        """The simulator's TTFT per mode on ``n`` requests, at the recommended settings unless
+        told others."""
+        return _simulated(
+            workload, fit, prefill, bytes_per_token=bytes_per_token,
+            descriptors_per_token=descriptors_per_token, ttl_s=at_ttl_s,
+            threshold_tokens=at_threshold, prefill_instances=prefill_instances,
+            fit_source=fit_source, prefix_caching=prefix_caching,
+            prefix_caching_source=prefix_caching_source, first_step_ms=first_step_ms,
+            first_step_source=first_step_source, max_requests=n, hops=hops)
+
     if use_simulator and ttft:
         try:
-            def simulated(n: int) -> tuple[SimTtft, tuple[SimInput, ...]]:
-                return _simulated(
-                    workload, fit, prefill, bytes_per_token=bytes_per_token,
-                    descriptors_per_token=descriptors_per_token,
-                    ttl_s=ttl_s if ttl_s > 0 else None,
-                    threshold_tokens=None if thr == math.inf else int(thr),
-                    prefill_instances=prefill_instances, fit_source=fit_source,
-                    prefix_caching=prefix_caching, prefix_caching_source=prefix_caching_source,
-                    first_step_ms=first_step_ms, first_step_source=first_step_source,
-                    max_requests=n, hops=hops)
             sim, inputs = simulated(DEFAULT_MAX_REQUESTS)
             if _close(sim):  # two modes within the sample's noise: settle it on a larger sample
                 close_call = True
@@ -281,18 +287,11 @@ def recommend_mode(workload: Workload, fit: FloorFit, prefill: PrefillCost, *,
             if traced_settings is not None and main_mode == sc.Mode.BIDIRECTIONAL.value and (
                     traced_settings.threshold_tokens is not None or traced_settings.ttl_s):
                 try:  # the main mode as it was traced (tune pulls every history back)
-                    at_traced, _ = _simulated(
-                        workload, fit, prefill, bytes_per_token=bytes_per_token,
-                        descriptors_per_token=descriptors_per_token,
-                        ttl_s=traced_settings.ttl_s or (ttl_s if ttl_s > 0 else None),
-                        threshold_tokens=(traced_settings.threshold_tokens
-                                          if traced_settings.threshold_tokens is not None
-                                          else None if thr == math.inf else int(thr)),
-                        prefill_instances=prefill_instances, fit_source=fit_source,
-                        prefix_caching=prefix_caching,
-                        prefix_caching_source=prefix_caching_source,
-                        first_step_ms=first_step_ms, first_step_source=first_step_source,
-                        max_requests=DEFAULT_MAX_REQUESTS, hops=hops)
+                    at_traced, _ = simulated(
+                        DEFAULT_MAX_REQUESTS, at_ttl_s=traced_settings.ttl_s or rec_ttl_s,
+                        at_threshold=(traced_settings.threshold_tokens
+                                      if traced_settings.threshold_tokens is not None
+                                      else rec_threshold))
                 except SimError:
                     at_traced = None
             sim, sim_scale, sources = _with_measured(sim, inputs or (), measured, main_mode,

@@ -167,8 +167,7 @@ def recommend(spans: pd.DataFrame, *, geometry: Any = None,
             "modes_split", "info",
             f"the trace holds requests served in several modes ({split.requests}); the workload "
             f"and the prefill cost are read from the {split.main} spans, the fabric fit from "
-            f"every mode's transfers"
-            + "; each mode's measured TTFT stands in the mode comparison",
+            f"every mode's transfers; each mode's measured TTFT stands in the mode comparison",
             {"requests": split.requests, "main": split.main}))
     tr = transfers_table(traced)
     fabrics = sorted(set(tr["fabric"].dropna().astype(str)))
