@@ -302,6 +302,9 @@ KV_BOTH_WORKLOAD = WorkloadConfig(n_conversations=3, turns=(3, 3), system_prompt
 """Three three-turn conversations of different sizes, sent one request at a time (the same order
 on both pairs): forward pulls of 1 to 6 blocks and history pulled back (or recomputed, as the
 threshold decides: the same on both)."""
+PROBE_SPANS = Path(__file__).resolve().parent.parent / "examples" / "verify-shaped" / "tune" / \
+    "spans" / "probe"
+"""A real fabric probe's spans (``make tune``'s, committed with ``examples/verify-shaped``)."""
 TIMED_COLUMNS = {"trace_id", "span_id", "parent_span_id", "start_ns", "end_ns", "duration_ms",
                  spans.NIXL_POST_US, spans.NIXL_XFER_US, spans.REQUEST_ID, spans.BASE_REQUEST_ID,
                  spans.TRANSFER_ID, spans.ENGINE_ID, spans.REMOTE_ENGINE_ID,
@@ -365,11 +368,13 @@ def _comparable(df: pd.DataFrame) -> list[tuple[str, ...]]:
 
 
 def _tuning(df: pd.DataFrame, where: Path) -> dict[str, Any] | str:
-    """What ``kvtune tune --traces`` computes from ``df`` (its defaults, the pair's model), or
-    the error it stops with."""
+    """What ``kvtune tune --traces`` computes from ``df`` and the committed fabric probe's spans
+    (its defaults, the pair's model), or the error it stops with. The probe's transfers stand in
+    for the floor fit, as in ``make tune`` on loopback: the pair's transfers here are too close in
+    size and time to fit one."""
     try:
-        return nb.tuning(df, "", traces=str(where),
-                         model=str(default_model_dir() / "config.json"),
+        return nb.tuning(pd.concat([df, load(PROBE_SPANS)], ignore_index=True), "",
+                         traces=str(where), model=str(default_model_dir() / "config.json"),
                          hbm_budget_gb=1.0).as_dict()
     except KvtuneError as exc:
         return f"{type(exc).__name__}: {exc}"
