@@ -84,7 +84,7 @@ KV_CONNECTOR: Final = "kv_connector"
 KV_CONNECTOR_MODULE_PATH: Final = "kv_connector_module_path"
 """kv-transfer-config key: the module vLLM imports the class from (:data:`CONNECTOR_MODULES`)."""
 KV_ROLE: Final = "kv_role"
-"""kv-transfer-config key: ``kv_producer`` (prefill) or ``kv_consumer`` (decode)."""
+"""kv-transfer-config key: ``kv_producer`` (prefill), ``kv_consumer`` (decode) or ``kv_both``."""
 KV_BUFFER_DEVICE: Final = "kv_buffer_device"
 ENGINE_ID: Final = "engine_id"
 KV_CONNECTOR_EXTRA_CONFIG: Final = "kv_connector_extra_config"
@@ -115,8 +115,15 @@ DEFAULT_SIDE_CHANNEL_PORT: Final = 5600
 SIDE_CHANNEL_PORT_ENV: Final = "VLLM_NIXL_SIDE_CHANNEL_PORT"
 KV_PRODUCER: Final = "kv_producer"
 KV_CONSUMER: Final = "kv_consumer"
+KV_BOTH: Final = "kv_both"
+"""``kv_role`` of an engine that serves either leg: vLLM's NIXL connector takes each request's leg
+from its ``kv_transfer_params`` (:func:`leg_role`), and so do kvtune's spans. What vLLM's own NIXL
+examples use; vLLM 0.32 and 0.33 log it as deprecated for the NIXL connector, in favour of
+:data:`KV_PRODUCER` / :data:`KV_CONSUMER`."""
 KV_ROLES: Final = {"prefill": KV_PRODUCER, "decode": KV_CONSUMER}
 """``kv_role`` of each server role."""
+KV_ROLE_VALUES: Final = (KV_PRODUCER, KV_CONSUMER, KV_BOTH)
+"""Every ``kv_role`` kvtune writes or reads."""
 KVTUNE_CONNECTOR_MODULE: Final = "kvtune.connectors"
 PLAIN_CONNECTOR_MODULE: Final = "kvtune.connectors.plain"
 CONNECTOR_CLASSES: Final = {
@@ -155,16 +162,21 @@ def mode_value(mode: spans.Mode | str, *, where: str = "mode") -> str:
 
 def kv_transfer_config(role: str, mode: spans.Mode | str, *, connector: str = "kvtune",
                        engine_id: str | None = None, kv_buffer_device: str | None = None,
-                       extra_config: Mapping[str, Any] | None = None) -> dict[str, Any]:
+                       extra_config: Mapping[str, Any] | None = None,
+                       kv_role: str | None = None) -> dict[str, Any]:
     """One server's ``--kv-transfer-config`` value.
 
     ``role``: ``"prefill"`` or ``"decode"``; ``connector``: a family of :data:`CONNECTOR_CLASSES`;
     ``engine_id``: fixed when given (push names the prefill up front); ``extra_config``: the
     ``kv_connector_extra_config`` entries, written as given (bidirectional mode adds
-    ``bidirectional_kv_xfer: true`` unless they set it)."""
+    ``bidirectional_kv_xfer: true`` unless they set it); ``kv_role``: vLLM's ``kv_role``, by
+    default the role's own (:data:`KV_ROLES`), or :data:`KV_BOTH` (either leg, per request)."""
     if role not in KV_ROLES:
         raise ConfigError(f"kv_transfer_config: role expected one of {sorted(KV_ROLES)}, "
                           f"got {role!r}")
+    if kv_role is not None and kv_role not in KV_ROLE_VALUES:
+        raise ConfigError(f"kv_transfer_config: kv_role expected one of {list(KV_ROLE_VALUES)}, "
+                          f"got {kv_role!r}")
     m = mode_value(mode, where="kv_transfer_config: mode")
     if connector not in CONNECTOR_MODULES:
         raise ConfigError(f"kv_transfer_config: connector expected one of "
@@ -173,7 +185,7 @@ def kv_transfer_config(role: str, mode: spans.Mode | str, *, connector: str = "k
     if m == spans.Mode.BIDIRECTIONAL.value:
         extra.setdefault(BIDIRECTIONAL_KV_XFER, True)
     cfg: dict[str, Any] = {KV_CONNECTOR: CONNECTOR_CLASSES[(connector, m)],
-                           KV_ROLE: KV_ROLES[role]}
+                           KV_ROLE: kv_role or KV_ROLES[role]}
     if CONNECTOR_MODULES[connector] is not None:
         cfg[KV_CONNECTOR_MODULE_PATH] = CONNECTOR_MODULES[connector]
     if kv_buffer_device:
@@ -185,6 +197,31 @@ def kv_transfer_config(role: str, mode: spans.Mode | str, *, connector: str = "k
 
 
 # --- the legs -------------------------------------------------------------------------------------
+def engine_role(kv_role: str | None) -> spans.Role | None:
+    """The role a ``kv_role`` fixes for every request of an engine: prefill (``kv_producer``),
+    decode (``kv_consumer``); None for ``kv_both`` (or anything else): each request's
+    :func:`leg_role` decides."""
+    if kv_role == KV_PRODUCER:
+        return spans.Role.PREFILL
+    if kv_role == KV_CONSUMER:
+        return spans.Role.DECODE
+    return None
+
+
+def leg_role(params: Mapping[str, Any] | None) -> spans.Role | None:
+    """The leg a request serves on the engine it reached, from its ``kv_transfer_params`` as they
+    arrived (vLLM clears ``do_remote_prefill`` once the KV is loaded): the prefill when
+    ``do_remote_decode`` (another instance takes its KV: vLLM's "P node", whatever else is set),
+    the decode when ``do_remote_prefill``; None for neither (a request served locally)."""
+    if not params:
+        return None
+    if params.get(DO_REMOTE_DECODE):
+        return spans.Role.PREFILL
+    if params.get(DO_REMOTE_PREFILL):
+        return spans.Role.DECODE
+    return None
+
+
 def prefill_leg_params(reuse: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """The prefill's ``kv_transfer_params`` (every mode): ``{do_remote_decode: true}``, or, in
     bidirectional mode, the decode's answer of the conversation's previous turn (``reuse``: its

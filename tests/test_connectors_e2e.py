@@ -1,10 +1,13 @@
 """End to end: a real vLLM prefill/decode pair on CPU with kvtune's connectors, in pull, push and
 bidirectional mode. Each test checks that the KV moved (the decode did not compute the prompt),
 that the output equals a single-instance run with the same seed, and that the span files hold every
-phase of each transfer in one trace.
+phase of each transfer in one trace. The last test runs one workload on the bidirectional pair and
+on the same pair started with ``kv_role: kv_both`` on both engines, and compares their spans and
+the tuning computed from them.
 
 Run with ``flock "$VLLM_LOCK" pytest -m vllm tests/test_connectors_e2e.py`` (one vLLM
-workload at a time on a shared machine). One pair per mode per module; each starts in ~30-90 s.
+workload at a time on a shared machine). One pair per mode per module (and the kv_both pair); each
+starts in ~30-90 s.
 """
 from __future__ import annotations
 
@@ -17,14 +20,19 @@ from typing import Any
 import pandas as pd
 import pytest
 
-from kvtune import spans
+from kvtune import nb, spans
 from kvtune.connectors.ids import derived_span_context
+from kvtune.errors import KvtuneError
 
 pytestmark = pytest.mark.vllm
 
 pytest.importorskip("vllm")
 from kvtune.local import server  # noqa: E402
 from kvtune.local.pair import LocalPair, PairResult, SingleServer  # noqa: E402
+from kvtune.local.pair import default_model_dir  # noqa: E402
+from kvtune.local.workload import (  # noqa: E402
+    PairTarget, RequestResult, WorkloadConfig, generate, run_workload,
+)
 from kvtune.traces import load  # noqa: E402
 
 S = spans.SpanName
@@ -83,13 +91,20 @@ class _OnePair:
         self._cm: LocalPair | None = None
         self.pair: LocalPair | None = None
 
-    def get(self, mode: str) -> LocalPair:
-        if self.mode == mode and self.pair is not None:
+    @staticmethod
+    def name(mode: str, kv_both: bool = False) -> str:
+        """The pair's directory under the workdir."""
+        return f"{mode}-kv_both" if kv_both else mode
+
+    def get(self, mode: str, kv_both: bool = False) -> LocalPair:
+        name = self.name(mode, kv_both)
+        if self.mode == name and self.pair is not None:
             return self.pair
         self.close()
-        cm = LocalPair(mode, connector="kvtune", workdir=self.workdir / mode / "work",
-                       spans_dir=self.workdir / mode / "spans", extra_env=FAST_EXPORT_ENV)
-        self.pair, self._cm, self.mode = cm.__enter__(), cm, mode
+        cm = LocalPair(mode, connector="kvtune", workdir=self.workdir / name / "work",
+                       spans_dir=self.workdir / name / "spans", extra_env=FAST_EXPORT_ENV,
+                       kv_both=kv_both)
+        self.pair, self._cm, self.mode = cm.__enter__(), cm, name
         if mode == "bidirectional":
             # A two-turn warm-up: the prefill's first contact with the decode (its NIXL handshake,
             # which vLLM bounds by a 5 s receive timeout) happens here rather than inside the test.
@@ -278,3 +293,125 @@ def test_bidirectional_two_turns_reuse_the_history_and_trace_both_transfers(
     prefill2 = fwd2[fwd2["name"] == S.PREFILL.value].iloc[0]
     assert prefill2[spans.PROMPT_TOKENS] == len(turn2)
     assert prefill2[spans.CACHED_TOKENS] >= len(PROMPT)
+
+
+# --- kv_both -----------------------------------------------------------------------------------
+KV_BOTH_WORKLOAD = WorkloadConfig(n_conversations=3, turns=(3, 3), system_prompt_tokens=32,
+                                  first_user_tokens=(60, 600), follow_up_tokens=(20, 40),
+                                  output_tokens=(4, 8), think_time_s=(0.2, 0.5), seed=11)
+"""Three three-turn conversations of different sizes, sent one request at a time (the same order
+on both pairs): forward pulls of 1 to 6 blocks and history pulled back (or recomputed, as the
+threshold decides: the same on both)."""
+PROBE_SPANS = Path(__file__).resolve().parent.parent / "examples" / "verify-shaped" / "tune" / \
+    "spans" / "probe"
+"""A real fabric probe's spans (``make tune``'s, committed with ``examples/verify-shaped``)."""
+TIMED_COLUMNS = {"trace_id", "span_id", "parent_span_id", "start_ns", "end_ns", "duration_ms",
+                 spans.NIXL_POST_US, spans.NIXL_XFER_US, spans.REQUEST_ID, spans.BASE_REQUEST_ID,
+                 spans.TRANSFER_ID, spans.ENGINE_ID, spans.REMOTE_ENGINE_ID,
+                 spans.NOTIFY_SENT_NS, spans.TTFT_MS, "resource", "host", "status_message",
+                 "attrs"}
+"""Columns that differ between two runs of one workload: times, ids (the workload's request ids
+are random), the engines' names; every other column must be equal."""
+
+
+def _workload_spans(spans_dir: Path, results: list[RequestResult], logs: Any) -> pd.DataFrame:
+    """Every span of the workload's requests, once all their transfers' phases are in: each
+    request's forward pull, and each later turn's reuse decision (with the reverse pull's phases
+    when it pulled)."""
+    rids = [r.request_id for r in results]
+    later = {r.request_id for r in results if r.turn > 1}
+    prev = {r.request_id: p.request_id for p, r in zip(results, results[1:])
+            if r.conversation_id == p.conversation_id}
+    deadline = time.monotonic() + SPANS_WAIT_S
+    while True:
+        missing: list[str] = []
+        df = load(spans_dir) if any(spans_dir.glob("*.jsonl")) else None
+        if df is not None:
+            tid = df[spans.TRANSFER_ID].astype("object")
+            for rid in rids:
+                names = set(df.loc[tid == spans.transfer_id(rid, spans.Direction.FORWARD), "name"])
+                missing += [f"{rid}:{p.value}" for p in PULL_PHASES if p.value not in names]
+                if rid not in later:
+                    continue
+                rev = df[tid == spans.transfer_id(prev[rid], spans.Direction.REVERSE)]
+                decided = set(rev.loc[rev["name"] == S.REUSE_DECISION.value, spans.REUSE_OUTCOME])
+                want = (REVERSE_PHASES if spans.ReuseOutcome.PULL.value in decided
+                        else (S.REUSE_DECISION,))
+                missing += [f"{prev[rid]}:reverse:{p.value}" for p in want
+                            if p.value not in set(rev["name"])]
+            if not missing:
+                mine = {spans.transfer_id(r, d) for r in rids for d in spans.Direction}
+                return df[tid.isin(mine).to_numpy(dtype=bool)]
+        if time.monotonic() > deadline:
+            raise AssertionError(f"workload spans: missing {missing[:20]}\n{logs()}")
+        time.sleep(0.5)
+
+
+def _leg_by_engine(df: pd.DataFrame, pair: LocalPair) -> pd.Series:
+    """The leg each span's engine serves in ``pair`` (the role a producer/consumer pair gives)."""
+    return df[spans.ENGINE_ID].astype("object").map(
+        {pair.prefill_engine_id: spans.Role.PREFILL.value,
+         pair.decode_engine_id: spans.Role.DECODE.value})
+
+
+def _relabelled(df: pd.DataFrame, roles: pd.Series) -> pd.DataFrame:
+    """``df`` with each span's role (and service name) replaced by ``roles``'."""
+    out = df.copy()
+    out[spans.ROLE] = roles.astype(df[spans.ROLE].dtype)
+    out["service"] = roles.astype("object").map(spans.service_name).astype(df["service"].dtype)
+    return out
+
+
+def _comparable(df: pd.DataFrame) -> list[tuple[str, ...]]:
+    cols = sorted(c for c in df.columns if c not in TIMED_COLUMNS)
+    return sorted(tuple(str(v) for v in row) for row in df[cols].itertuples(index=False))
+
+
+def _tuning(df: pd.DataFrame, where: Path) -> dict[str, Any] | str:
+    """What ``kvtune tune --traces`` computes from ``df`` and the committed fabric probe's spans
+    (its defaults, the pair's model), or the error it stops with. The probe's transfers stand in
+    for the floor fit, as in ``make tune`` on loopback: the pair's transfers here are too close in
+    size and time to fit one."""
+    try:
+        return nb.tuning(pd.concat([df, load(PROBE_SPANS)], ignore_index=True), "",
+                         traces=str(where), model=str(default_model_dir() / "config.json"),
+                         hbm_budget_gb=1.0).as_dict()
+    except KvtuneError as exc:
+        return f"{type(exc).__name__}: {exc}"
+
+
+def test_kv_both_pair_labels_every_span_by_its_leg_and_tunes_as_producer_consumer(
+        pairs: _OnePair, workdir: Path) -> None:
+    plans = generate(KV_BOTH_WORKLOAD)
+    runs: dict[bool, pd.DataFrame] = {}
+    for kv_both in (False, True):  # the producer/consumer pair first: it is running already
+        pair = pairs.get("bidirectional", kv_both=kv_both)
+        results = run_workload(plans, PairTarget(pair), max_concurrency=1, progress=False)
+        assert [r.ok for r in results] == [True] * 9, [r.error for r in results]
+        spans_dir = workdir / _OnePair.name("bidirectional", kv_both) / "spans"
+        runs[kv_both] = _workload_spans(spans_dir, results, pair.logs)
+        if kv_both:
+            # Every span the kv_both engines made (warm-ups and handshakes too) carries the role
+            # of the leg it served (each engine of the pair serves one leg only), and that
+            # role's service name.
+            every = load(spans_dir)
+            leg = _leg_by_engine(every, pair)
+            assert leg.notna().all() and set(leg) == {spans.Role.PREFILL.value,
+                                                      spans.Role.DECODE.value}
+            wrong = every[spans.ROLE].astype("object") != leg
+            assert not wrong.any(), every.loc[wrong, ["name", spans.ROLE, spans.ENGINE_ID]]
+            assert (every["service"].astype("object") == leg.map(spans.service_name)).all()
+    pc, both = runs[False], runs[True]
+    # The same spans (name, role, service, mode, direction, tokens, blocks, bytes, outcomes, ...),
+    # but for times and ids.
+    assert len(both) == len(pc) and _comparable(both) == _comparable(pc)
+    assert {spans.ReuseOutcome.PULL.value} <= set(both[spans.REUSE_OUTCOME].dropna())
+
+    # The tuning from the kv_both spans is the one from the same spans labelled as a producer/
+    # consumer pair labels them (by engine) - and role labels do move it: the labels the
+    # kv_both engines wrote before (every span the prefill's) give another one.
+    tuned = _tuning(both, workdir)
+    assert isinstance(tuned, dict), tuned
+    assert _tuning(_relabelled(both, _leg_by_engine(both, pairs.pair)), workdir) == tuned
+    old = pd.Series(spans.Role.PREFILL.value, index=both.index)
+    assert _tuning(_relabelled(both, old), workdir) != tuned

@@ -95,10 +95,12 @@ def exporter() -> InMemorySpanExporter:
     return InMemorySpanExporter()
 
 
-def _emitter(exporter: InMemorySpanExporter, role: spans.Role, mode: spans.Mode) -> Emitter:
+def _emitter(exporter: InMemorySpanExporter, role: spans.Role | None,
+             mode: spans.Mode) -> Emitter:
+    """``role`` None: a ``kv_both`` engine's (each span's role is its request's leg)."""
     provider = TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(exporter))
-    return Emitter(role, mode, f"engine-{role.value}", tp_rank=0,
+    return Emitter(role, mode, f"engine-{role.value if role else 'both'}", tp_rank=0,
                    tracer=provider.get_tracer("test"))
 
 
@@ -219,7 +221,7 @@ def worker_factory(exporter: InMemorySpanExporter) -> Callable[..., Any]:
         w.expected_consumer_notifications_by_req = {}
         w.xfer_stats = NixlKVConnectorStats()
         w._lease_extension = 30
-        w.engine_id = f"engine-{role.value}"
+        w.engine_id = f"engine-{role.value if role else 'both'}"
         w._remote_agents = {}
         w._kvt_init(_emitter(exporter, role, mode))  # what _kvt_setup does from the config
         return w
@@ -408,3 +410,59 @@ def test_push_decode_notifies_once_every_producer_rank_wrote(
                                                                      spans.Direction.FORWARD)
     assert notify.attributes[spans.ROLE] == spans.Role.DECODE.value
     assert notify.attributes[spans.TOKENS] == 32 and notify.status.is_ok
+
+
+def test_kv_both_worker_gives_each_span_the_role_of_its_requests_leg(
+        worker_factory: Callable[..., Any], exporter: InMemorySpanExporter,
+        peers: tuple[Peer, Peer, Any, Any]) -> None:
+    """A ``kv_both`` engine serving both legs of a bidirectional pair at once: the worker-side
+    spans carry the leg the scheduler side told it (``ReqTrace.leg``), or the only one they can
+    have, and match what a prefill and a decode engine make of the same calls."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import (
+        NixlConnectorMetadata, RemoteMeta, ReqMeta,
+    )
+
+    _, target, _, _ = peers
+    P, D = spans.Role.PREFILL, spans.Role.DECODE
+    t0 = time.time_ns()
+    retained, served, pulling, reading = ("cmpl-kr-0-11111111", "cmpl-ks-0-22222222",
+                                          "cmpl-kp-0-33333333", "cmpl-kd-0-44444444")
+    infos = {
+        retained: ReqTrace(retained, "kr", "", tokens=48, mark_ns=t0, ttl_s=60.0, leg=D),
+        served: ReqTrace(served, "ks", "", tokens=64, leg=P),
+        pulling: ReqTrace(pulling, "kp", "", remote_base_id="kr", mark_ns=t0, tokens=48,
+                          remote_tokens=48, threshold_tokens=1, leg=P),
+        reading: ReqTrace(reading, "kd", "", tokens=96, leg=D),
+    }
+    spec = ReqMeta(local_block_ids=([1, 2],), local_physical_block_ids=([1, 2],), tp_size=1,
+                   remote=RemoteMeta(block_ids=([4, 5],), host="127.0.0.1", port=1,
+                                     engine_id="eng-x", request_id="cmpl-kr-0-55555555"))
+
+    def drive(w: Any, rids: set[str]) -> dict[tuple[str, str], str]:
+        """The worker-side events of ``rids``: {(span, direction): role}."""
+        meta = NixlConnectorMetadata()
+        meta.kvtune_reqs = {r: infos[r] for r in rids}
+        w._kvt_on_metadata(meta)
+        w._kvt_on_notified(rids & {retained, served})  # the reverse read back; the forward read
+        if pulling in rids:
+            w._kvt_cur_req = pulling
+            w._kvt_on_turn2(spec, False)  # the prefill pulls the history
+            w._kvt_cur_req = None
+        for rid in rids & {pulling, reading}:
+            ctx = w._kvt_xfer_context(spans.NixlOp.READ, spec, "eng-x", rid, "cmpl-kr-0-55555555")
+            w._kvt_xfers.begin(ctx)
+            w._kvt_xfers.prepared(object(), 2)  # descriptors prepared for this READ
+            w._kvt_xfers.end()
+        out = {(s.name, s.attributes[spans.DIRECTION]): s.attributes[spans.ROLE]
+               for s in exporter.get_finished_spans()}
+        exporter.clear()
+        return out
+
+    both = drive(worker_factory(target.agent, None, spans.Mode.BIDIRECTIONAL), set(infos))
+    S, F, R = spans.SpanName, spans.Direction.FORWARD.value, spans.Direction.REVERSE.value
+    assert both == {(S.NOTIFY.value, R): D.value, (S.RETENTION.value, R): D.value,
+                    (S.NOTIFY.value, F): P.value, (S.REUSE_DECISION.value, R): P.value,
+                    (S.DESCRIPTOR_SETUP.value, R): P.value, (S.DESCRIPTOR_SETUP.value, F): D.value}
+    prefill = drive(worker_factory(target.agent, P, spans.Mode.BIDIRECTIONAL), {served, pulling})
+    decode = drive(worker_factory(target.agent, D, spans.Mode.BIDIRECTIONAL), {retained, reading})
+    assert both == {**prefill, **decode}

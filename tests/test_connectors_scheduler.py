@@ -289,3 +289,84 @@ def test_spans_name_the_vllm_and_nixl_releases_they_ran_on(
     res = df["resource"].iloc[0]
     assert res[spans.VLLM_VERSION] == vllm.__version__
     assert res[spans.NIXL_VERSION] == compat.installed_nixl_version() != "not installed"
+
+
+# --- kv_both: each span's role is its request's leg -------------------------------------------
+KV_BOTH_TRACEPARENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+
+
+def _both_legs(prefill_conn: Any, decode_conn: Any) -> None:
+    """One pull request, both legs: the prefill's on ``prefill_conn``, the decode's (with the
+    params the prefill answered) on ``decode_conn``; every scheduler-side span of each leg."""
+    now = time.time()
+    p = Request("cmpl-kb-0-11111111", list(range(1, 201)),
+                SamplingParams(max_tokens=1, extra_args={KV_TRANSFER_PARAMS: {
+                    DO_REMOTE_DECODE: True, spans.KV_PARAMS_TRACEPARENT: KV_BOTH_TRACEPARENT}}),
+                None, arrival_time=now - 0.2)
+    prefill_conn.get_num_new_matched_tokens(p, 128)
+    prefill_conn.update_state_after_alloc(p, _blocks(5, 6), 0)
+    p.status = RequestStatus.FINISHED_LENGTH_CAPPED
+    delay, answer = prefill_conn.request_finished(p, ([5, 6],))
+    assert delay and answer[DO_REMOTE_PREFILL] is True  # vLLM's own answer for the decode
+    prefill_conn.build_connector_meta(SchedulerOutput.make_empty())
+
+    d = Request("cmpl-kb-0-22222222", list(range(1, 201)),
+                SamplingParams(max_tokens=4, extra_args={KV_TRANSFER_PARAMS: {
+                    **answer, spans.KV_PARAMS_TRACEPARENT: KV_BOTH_TRACEPARENT}}),
+                None, arrival_time=now - 0.1)
+    n, load_async = decode_conn.get_num_new_matched_tokens(d, 0)
+    assert load_async and n > 0  # vLLM's decode leg: the prompt's KV comes from the prefill
+    decode_conn.update_state_after_alloc(d, _blocks(2, 3), n)
+    info = decode_conn.build_connector_meta(SchedulerOutput.make_empty()).kvtune_reqs[d.request_id]
+    assert info.leg is spans.Role.DECODE  # the worker side learns the leg too
+    decode_conn.update_connector_output(KVConnectorOutput(finished_recving={d.request_id}))
+    out = SchedulerOutput.make_empty()
+    out.num_scheduled_tokens = {d.request_id: 1}
+    decode_conn.build_connector_meta(out)
+
+
+def _engine_spans(tmp_path: Any, monkeypatch: pytest.MonkeyPatch, kv_roles: tuple[str, ...]
+                  ) -> Any:
+    """Spans (``kvtune.traces.load``) of :func:`_both_legs` on engines started with ``kv_roles``
+    (one: both legs on it; two: prefill leg, decode leg), each exporting through the connectors'
+    own telemetry (``KVTUNE_SPANS_DIR``), as in a served engine."""
+    from kvtune import telemetry
+    from kvtune.traces import load
+
+    monkeypatch.setattr(telemetry, "_FROM_ENV", {})
+    monkeypatch.setenv("KVTUNE_SPANS_DIR", str(tmp_path))
+    conns = [KvtuneNixlPullConnector(_config(r), KVConnectorRole.SCHEDULER, _kv_cache_config())
+             for r in kv_roles]
+    _both_legs(conns[0], conns[-1])
+    for handle in set(telemetry._FROM_ENV.values()) - {None}:
+        handle.shutdown()
+    return load(tmp_path)
+
+
+def _span_set(df: Any) -> list[tuple[Any, ...]]:
+    """What a span says apart from its times and the engine's name (which differs by kv_role)."""
+    cols = ["name", spans.ROLE, "service", spans.TRANSFER_ID, spans.BASE_REQUEST_ID,
+            spans.PROMPT_TOKENS, spans.CACHED_TOKENS, spans.COMPUTED_TOKENS, spans.TOKENS,
+            spans.MODE, "trace_id", "status"]
+    return sorted(tuple(str(v) for v in row) for row in df[cols].itertuples(index=False))
+
+
+def test_kv_both_engine_labels_each_span_with_its_requests_leg(
+        tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvtune.vllm_pd import KV_BOTH
+
+    both = _engine_spans(tmp_path / "both", monkeypatch, (KV_BOTH,))
+    P, D = spans.Role.PREFILL.value, spans.Role.DECODE.value
+    got = sorted(zip(both["name"], both[spans.ROLE], both["service"]))
+    assert got == sorted([
+        (spans.SpanName.QUEUE.value, P, spans.service_name(P)),
+        (spans.SpanName.PREFILL.value, P, spans.service_name(P)),
+        (spans.SpanName.QUEUE.value, D, spans.service_name(D)),
+        (spans.SpanName.DECODE_START.value, D, spans.service_name(D)),
+    ])
+    # ...each role's spans in that role's file, as from a kv_producer and a kv_consumer engine
+    assert sorted(p.name.split("-")[0] for p in (tmp_path / "both").glob("*.jsonl")) == [D, P]
+    # The same spans as the same two legs on a producer and a consumer engine.
+    pair = _engine_spans(tmp_path / "pair", monkeypatch, (KV_PRODUCER, KV_CONSUMER))
+    assert _span_set(both) == _span_set(pair)
+    assert set(both[spans.ENGINE_ID]) == {"eng-kv_both"}

@@ -399,3 +399,13 @@ def test_cli_rejects_an_unknown_mode(capsys):
     with pytest.raises(SystemExit):
         cli.main(["local", "run", "--mode", "sideways", "--workdir", "x"], modules=LOCAL_CLI)
     assert "sideways" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("mode", ["pull", "push", "bidirectional"])
+def test_kv_both_pair_config_differs_only_in_kv_role(tmp_path, mode):
+    both = LocalPair(mode, workdir=tmp_path, kv_both=True)
+    pair = LocalPair(mode, workdir=tmp_path)
+    for role in ("prefill", "decode"):
+        cfg = both.kv_transfer_config(role)
+        assert cfg[pd.KV_ROLE] == pd.KV_BOTH
+        assert {**cfg, pd.KV_ROLE: None} == {**pair.kv_transfer_config(role), pd.KV_ROLE: None}

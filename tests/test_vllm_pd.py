@@ -46,11 +46,31 @@ def test_kv_transfer_config_per_role_mode_and_family(mode, connector):
     (("prefill", "probe"), {}, "mode"),
     (("prefill", "pushpull"), {}, "mode"),
     (("decode", "pull"), {"connector": "lmcache"}, "connector"),
+    (("decode", "pull"), {"kv_role": "kv_decoder"}, "kv_role"),
 ])
 def test_kv_transfer_config_refuses_bad_input_naming_it(args, kwargs, match):
     with pytest.raises(ConfigError, match=match) as err:
         pd.kv_transfer_config(*args, **kwargs)
     assert isinstance(err.value, KvtuneError)
+
+
+@pytest.mark.parametrize("mode", pd.MODES)
+def test_kv_both_on_either_server_and_each_requests_leg(mode):
+    for role in pd.KV_ROLES:
+        cfg = pd.kv_transfer_config(role, mode, kv_role=pd.KV_BOTH)
+        assert cfg[pd.KV_ROLE] == pd.KV_BOTH
+        assert cfg[pd.KV_CONNECTOR] == pd.kv_transfer_config(role, mode)[pd.KV_CONNECTOR]
+    assert pd.engine_role(pd.KV_PRODUCER) is spans.Role.PREFILL
+    assert pd.engine_role(pd.KV_CONSUMER) is spans.Role.DECODE
+    assert pd.engine_role(pd.KV_BOTH) is None  # per request
+    # vLLM's rule: do_remote_decode makes a prefill ("P node"), whatever else the params say.
+    assert pd.leg_role(pd.prefill_leg_params()) is spans.Role.PREFILL
+    assert pd.leg_role({pd.DO_REMOTE_DECODE: True, pd.DO_REMOTE_PREFILL: False,
+                        pd.REMOTE_BLOCK_IDS: [[1]]}) is spans.Role.PREFILL
+    assert pd.leg_role(pd.push_decode_leg_params(engine_id="p", host="h", port=1,
+                                                 request_id="r")) is spans.Role.DECODE
+    assert pd.leg_role({}) is None and pd.leg_role(None) is None
+    assert pd.leg_role({spans.KV_PARAMS_TRACEPARENT: TRACEPARENT}) is None
 
 
 def test_leg_builders():
@@ -207,11 +227,13 @@ def test_vllm_kv_transfer_config_reads_what_the_builder_writes():
     _vllm()
     from vllm.config import KVTransferConfig
 
-    for role, kv_role in pd.KV_ROLES.items():
+    for (role, kv_role), both in zip([*pd.KV_ROLES.items()] * 2, [False] * 2 + [True] * 2):
         cfg = KVTransferConfig(**pd.kv_transfer_config(
             role, "bidirectional", connector="vllm", engine_id="e", kv_buffer_device="cpu",
-            extra_config={pd.KV_RECOMPUTE_THRESHOLD: 8, pd.DECODER_KV_BLOCKS_TTL: 30}))
-        assert cfg.kv_role == kv_role and cfg.engine_id == "e" and cfg.kv_buffer_device == "cpu"
+            extra_config={pd.KV_RECOMPUTE_THRESHOLD: 8, pd.DECODER_KV_BLOCKS_TTL: 30},
+            kv_role=pd.KV_BOTH if both else None))
+        assert cfg.kv_role == (pd.KV_BOTH if both else kv_role)
+        assert cfg.engine_id == "e" and cfg.kv_buffer_device == "cpu"
         assert cfg.get_from_extra_config(pd.BIDIRECTIONAL_KV_XFER, None) is True
         assert cfg.get_from_extra_config(pd.KV_RECOMPUTE_THRESHOLD, None) == 8
         assert cfg.get_from_extra_config(pd.DECODER_KV_BLOCKS_TTL, None) == 30

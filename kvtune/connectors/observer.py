@@ -122,6 +122,8 @@ class ReqTrace:
     """Reuse decision: tokens of history the decode holds."""
     threshold_tokens: int | None = None
     """Reuse decision: ``kv_recompute_threshold`` in force."""
+    leg: spans.Role | None = None
+    """The leg the request serves on this engine (what a ``kv_both`` engine's spans carry)."""
 
     def span_context(self) -> SpanContext:
         return parse_traceparent(self.traceparent) or derived_span_context(self.base_id)
@@ -162,36 +164,68 @@ def _tracer_for(role: spans.Role) -> tuple[Tracer, Any]:
     return trace.get_tracer(TRACER_NAME), None
 
 
+LEG_ROLES: Final = (spans.Role.PREFILL, spans.Role.DECODE)
+"""The roles a request's leg can have on an engine."""
+UNKNOWN_LEG_ROLE: Final = spans.Role.PREFILL
+"""Role of a span on a per-leg (``kv_both``) engine whose leg is not known (a request with neither
+``do_remote_*`` flag, a handshake nothing triggered): the prefill, as vLLM's NIXL connector treats a
+request without ``do_remote_decode`` that it computes itself."""
+
+
 @dataclass
 class Emitter:
-    """Makes the convention's spans for one process role.
+    """Makes the convention's spans for one engine.
 
-    ``common`` attributes (role, mode, engine id, TP rank) go on every span.
+    ``role``: the engine's fixed role (``kv_producer``: prefill, ``kv_consumer``: decode), which
+    every span carries; or None (``kv_both``): each span carries the role of the leg it served,
+    given to :meth:`emit`, and goes to that role's tracer (its ``service.name`` is the role's, as
+    on a fixed-role engine). ``common`` attributes (mode, engine id, TP rank, ...) go on every span.
     """
 
-    role: spans.Role
+    role: spans.Role | None
     mode: spans.Mode
     engine_id: str
     tp_rank: int | None = None
     tracer: Tracer | None = None
+    """All roles' tracer when given (tests, benches); else each role's from :func:`_tracer_for`."""
     telemetry: Any = None
     common: dict[str, Any] = field(default_factory=dict)
+    _tracers: dict[spans.Role, Tracer] = field(default_factory=dict, init=False, repr=False)
+    _telemetries: list[Any] = field(default_factory=list, init=False, repr=False)
 
     def __post_init__(self) -> None:
+        roles = (self.role,) if self.role is not None else LEG_ROLES
+        for r in roles:  # every role's tracer now: none is made on a request's path
+            if self.tracer is not None:
+                self._tracers[r] = self.tracer
+                continue
+            tracer, handle = _tracer_for(r)
+            self._tracers[r] = tracer
+            if handle is not None:
+                self._telemetries.append(handle)
         if self.tracer is None:
-            self.tracer, self.telemetry = _tracer_for(self.role)
-        self.common = {spans.ROLE: self.role.value, spans.MODE: self.mode.value,
-                       spans.ENGINE_ID: self.engine_id}
+            self.tracer = self._tracers[roles[0]]
+            self.telemetry = self._telemetries[0] if self._telemetries else None
+        elif self.telemetry is not None:
+            self._telemetries.append(self.telemetry)
+        self.common = {spans.MODE: self.mode.value, spans.ENGINE_ID: self.engine_id}
         if self.tp_rank is not None:
             self.common[spans.TP_RANK] = int(self.tp_rank)
 
+    def role_for(self, leg: spans.Role | None) -> spans.Role:
+        """The role a span of a request on leg ``leg`` carries: the engine's when fixed."""
+        return self.role or leg or UNKNOWN_LEG_ROLE
+
     def emit(self, name: spans.SpanName, sc: SpanContext, start_ns: int, end_ns: int,
              attrs: Callable[[], Mapping[str, Any]] | Mapping[str, Any] | None = None,
-             error: str | None = None) -> None:
-        """One finished span ``name`` under parent ``sc`` from ``start_ns`` to ``end_ns``."""
-        span = self.tracer.start_span(name.value, context=context_of(sc), start_time=start_ns)
+             error: str | None = None, role: spans.Role | None = None) -> None:
+        """One finished span ``name`` under parent ``sc`` from ``start_ns`` to ``end_ns``;
+        ``role``: the leg it served (used on a per-leg engine only)."""
+        r = self.role_for(role)
+        span = self._tracers[r].start_span(name.value, context=context_of(sc),
+                                           start_time=start_ns)
         if span.is_recording():
-            values = dict(self.common)
+            values = {spans.ROLE: r.value, **self.common}
             if attrs is not None:
                 values.update(attrs() if callable(attrs) else attrs)
             span.set_attributes({k: v for k, v in values.items() if v is not None})
@@ -201,8 +235,8 @@ class Emitter:
         span.end(end_time=max(end_ns, start_ns))
 
     def flush(self) -> None:
-        if self.telemetry is not None:
-            self.telemetry.force_flush()
+        for handle in self._telemetries:
+            handle.force_flush()
 
 
 def transfer_attrs(base_id: str, direction: spans.Direction, request_id: str,
@@ -249,6 +283,8 @@ class XferContext:
     sc: SpanContext
     attrs: dict[str, Any]
     setup_start_ns: int
+    role: spans.Role | None = None
+    """The leg it serves (what a ``kv_both`` engine's spans carry)."""
 
 
 @dataclass
@@ -294,7 +330,7 @@ class TransferTracker:
         end = now_ns()
         n = descriptors
         self.emitter.emit(spans.SpanName.DESCRIPTOR_SETUP, ctx.sc, ctx.setup_start_ns, end,
-                          lambda: {**ctx.attrs, spans.DESCRIPTORS: n})
+                          lambda: {**ctx.attrs, spans.DESCRIPTORS: n}, role=ctx.role)
         with self._lock:
             self._pending[id(handle)] = _Pending(ctx, handle, descriptors)
         ctx.setup_start_ns = end  # a second transfer for the same request starts here
@@ -357,7 +393,8 @@ class TransferTracker:
             return out
 
         self.emitter.emit(spans.SpanName.RDMA, ctx.sc, rec.post_ns, done_ns, attrs,
-                          error=None if state == "DONE" else f"nixl_{state.lower()}")
+                          error=None if state == "DONE" else f"nixl_{state.lower()}",
+                          role=ctx.role)
 
     def pending_count(self) -> int:
         with self._lock:

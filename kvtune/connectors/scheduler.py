@@ -4,9 +4,14 @@ Each override calls vLLM's own method first with the same arguments, returns its
 and then runs a kvtune hook through the guard. What the scheduler learns that a worker needs (trace
 context, tokens, when a phase began) travels in the connector metadata as ``kvtune_reqs``.
 
-Spans made here: ``kv.prefill`` (prefill), ``kv.decode_start`` (decode), ``kv.reuse_decision``
-(prefill, bidirectional, for outcomes decided here; a pull is confirmed or declined as expired by
-the worker).
+Spans made here: ``kv.queue`` (either leg), ``kv.prefill`` (prefill), ``kv.decode_start``
+(decode), ``kv.reuse_decision`` (prefill, bidirectional, for outcomes decided here; a pull is
+confirmed or declined as expired by the worker).
+
+Roles: a ``kv_producer`` engine's spans are the prefill's and a ``kv_consumer``'s the decode's; on a
+``kv_both`` engine each span carries the role of the leg its request serves there
+(:func:`kvtune.vllm_pd.leg_role` of the request's ``kv_transfer_params`` as they arrived), which
+the request's :class:`ReqTrace` tells the worker side too.
 """
 from __future__ import annotations
 
@@ -35,8 +40,8 @@ from kvtune.connectors.observer import (
     transfer_attrs,
 )
 from kvtune.vllm_pd import (
-    DO_REMOTE_DECODE, DO_REMOTE_PREFILL, KV_CONNECTOR_EXTRA_CONFIG, KV_CONSUMER,
-    REMOTE_BLOCK_IDS, REMOTE_NUM_TOKENS, REMOTE_REQUEST_ID,
+    DO_REMOTE_DECODE, DO_REMOTE_PREFILL, KV_CONNECTOR_EXTRA_CONFIG, REMOTE_BLOCK_IDS,
+    REMOTE_NUM_TOKENS, REMOTE_REQUEST_ID, engine_role, leg_role,
 )
 
 if TYPE_CHECKING:
@@ -45,11 +50,6 @@ if TYPE_CHECKING:
 _R = spans.ReuseOutcome
 _S = spans.SpanName
 _NORMAL_FINISH = ("FINISHED_LENGTH_CAPPED", "FINISHED_STOPPED")
-
-
-def role_of(kv_role: str | None) -> spans.Role:
-    """kvtune role of an engine from vLLM's ``kv_role`` (``kv_both`` counts as prefill)."""
-    return spans.Role.DECODE if kv_role == KV_CONSUMER else spans.Role.PREFILL
 
 
 @dataclass(slots=True)
@@ -61,6 +61,8 @@ class _ReqState:
     traceparent: str
     conversation_id: str | None
     turn: int | None
+    leg: spans.Role | None
+    """The leg the request serves on this engine (:func:`kvtune.vllm_pd.leg_role`)."""
     scheduled_ns: int | None = None
     local_cached: int = 0
     external: int = 0
@@ -84,7 +86,7 @@ class _SchedulerHooks:
 
     def _kvt_setup(self) -> None:
         cfg = self.vllm_config.kv_transfer_config
-        role = role_of(cfg.kv_role)
+        role = engine_role(cfg.kv_role)
         mode = self._KVT_MODE
         if getattr(self, "is_bidirectional_kv_xfer_enabled", False):
             mode = spans.Mode.BIDIRECTIONAL
@@ -93,7 +95,7 @@ class _SchedulerHooks:
         self._kvt_idle = IdleStepWait(wait_ms) if wait_ms is not None else None
 
     def _kvt_init(self, emitter: Emitter) -> None:
-        """kvtune's state; ``emitter`` fixes the role and mode."""
+        """kvtune's state; ``emitter`` fixes the mode (and the role, unless per leg)."""
         self._kvt = emitter
         self._kvt_role = emitter.role
         self._kvt_mode = emitter.mode
@@ -147,7 +149,9 @@ class _SchedulerHooks:
         GUARD.run("scheduler.shutdown", lambda: self._kvt.flush())
 
     # --- state ------------------------------------------------------------------------------
-    def _kvt_state(self, request: Request) -> _ReqState:
+    def _kvt_state(self, request: Request, leg: spans.Role | None = None) -> _ReqState:
+        """``request``'s state, made at the first look (``leg``: when vLLM may already have
+        changed its params, the leg they gave before)."""
         st = self._kvt_reqs.get(request.request_id)
         if st is None:
             params = request.kv_transfer_params or {}
@@ -158,7 +162,8 @@ class _SchedulerHooks:
                                       kv_params=params)
             st = _ReqState(request.request_id, base, traceparent_of(sc),
                            _str_or_none(params.get(spans.KV_PARAMS_CONVERSATION_ID)),
-                           _int_or_none(params.get(spans.KV_PARAMS_TURN)))
+                           _int_or_none(params.get(spans.KV_PARAMS_TURN)),
+                           leg or leg_role(params))
             self._kvt_reqs[request.request_id] = st
         return st
 
@@ -167,7 +172,7 @@ class _SchedulerHooks:
         prev = self._kvt_outbox.get(st.request_id)
         if prev is None:
             prev = ReqTrace(st.request_id, st.base_id, st.traceparent,
-                            conversation_id=st.conversation_id, turn=st.turn)
+                            conversation_id=st.conversation_id, turn=st.turn, leg=st.leg)
         self._kvt_outbox[st.request_id] = dataclasses.replace(prev, **fields)
 
     def _kvt_conv(self, st: _ReqState) -> dict[str, Any]:
@@ -199,7 +204,8 @@ class _SchedulerHooks:
         sc = parse_traceparent(st.traceparent) or derived_span_context(st.base_id)
         self._kvt.emit(spans.SpanName.QUEUE, sc, start, t, lambda: {
             spans.REQUEST_ID: request.request_id, spans.BASE_REQUEST_ID: st.base_id,
-            **self._kvt_conv(st), spans.PROMPT_TOKENS: int(request.num_prompt_tokens)})
+            **self._kvt_conv(st), spans.PROMPT_TOKENS: int(request.num_prompt_tokens)},
+            role=st.leg)
 
     def _kvt_reuse_decision(self, request: Request, st: _ReqState, params: dict[str, Any],
                             num_computed_tokens: int, result: tuple[int | None, bool]) -> None:
@@ -229,14 +235,15 @@ class _SchedulerHooks:
         self._kvt.emit(spans.SpanName.REUSE_DECISION, sc, t, now_ns(), lambda: {
             **tid_attrs, **self._kvt_conv(st), spans.REUSE_OUTCOME: outcome.value,
             spans.REUSE_REMOTE_TOKENS: remote_tokens, spans.REUSE_THRESHOLD_TOKENS: threshold,
-            spans.PROMPT_TOKENS: int(request.num_prompt_tokens)})
+            spans.PROMPT_TOKENS: int(request.num_prompt_tokens)}, role=spans.Role.PREFILL)
 
     def _kvt_on_alloc(self, request: Request, blocks: Any, num_external_tokens: int,
                       pre: tuple[bool, bool] | None) -> None:
         if pre is None:
             return
         was_remote_prefill, is_remote_decode = pre
-        st = self._kvt_state(request)
+        st = self._kvt_state(request, spans.Role.PREFILL if is_remote_decode
+                             else spans.Role.DECODE if was_remote_prefill else None)
         if is_remote_decode:
             if st.scheduled_ns is None:
                 st.scheduled_ns = now_ns()
@@ -271,7 +278,7 @@ class _SchedulerHooks:
                 sc = parse_traceparent(st.traceparent) or derived_span_context(st.base_id)
                 self._kvt.emit(spans.SpanName.DECODE_START, sc, ready_ns, now_ns(), lambda: {
                     **transfer_attrs(st.base_id, spans.Direction.FORWARD, rid),
-                    **self._kvt_conv(st), spans.TOKENS: st.external})
+                    **self._kvt_conv(st), spans.TOKENS: st.external}, role=spans.Role.DECODE)
 
     def _kvt_on_output(self, connector_output: Any) -> None:
         done = connector_output.finished_recving
@@ -303,7 +310,8 @@ class _SchedulerHooks:
             self._kvt.emit(spans.SpanName.PREFILL, sc, st.scheduled_ns, t, lambda: {
                 **transfer_attrs(st.base_id, spans.Direction.FORWARD, rid),
                 **self._kvt_conv(st), spans.PROMPT_TOKENS: prompt, spans.CACHED_TOKENS: cached,
-                spans.COMPUTED_TOKENS: prompt - cached}, error=None if ok else status_name.lower())
+                spans.COMPUTED_TOKENS: prompt - cached}, error=None if ok else status_name.lower(),
+                role=spans.Role.PREFILL)
             if ok and result[0]:
                 # Push: when the prefill's KV became ready (the rendezvous' "prefill" arrival).
                 self._kvt_trace(st, mark_ns=t, tokens=prompt)

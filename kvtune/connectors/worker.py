@@ -5,7 +5,10 @@ vLLM's read/write methods are overridden only to say *which* transfer the NIXL c
 belong to. Spans made here: ``kv.handshake``, ``kv.descriptor_setup``, ``kv.rdma`` (initiator),
 ``kv.notify`` (target), ``kv.registration`` (push decode), ``kv.rendezvous`` (push prefill),
 ``kv.reuse_decision`` for pulls (bidirectional prefill: pull or expired) and ``kv.retention``
-(bidirectional decode).
+(bidirectional decode). On a ``kv_both`` engine each carries the role of the leg it belongs to:
+the request's (``ReqTrace.leg``, from the scheduler side) where one is known, else the one the
+span can only have: a forward READ or a push notification is the decode's, a reverse READ, a
+WRITE, a pull notification or a rendezvous the prefill's.
 
 Retention outcomes: ``reused`` when the conversation's next turn claimed the retained blocks within
 the TTL, i.e. the prefill's notification arrived. vLLM sends the same notification whether the
@@ -46,11 +49,12 @@ from kvtune.connectors.observer import (
     request_attrs,
     transfer_attrs,
 )
-from kvtune.connectors.scheduler import role_of
-from kvtune.vllm_pd import BIDIRECTIONAL_KV_XFER, REMOTE_ENGINE_ID
+from kvtune.vllm_pd import BIDIRECTIONAL_KV_XFER, REMOTE_ENGINE_ID, engine_role
 
 _D = spans.Direction
 _S = spans.SpanName
+_P = spans.Role.PREFILL
+_DEC = spans.Role.DECODE
 _log = logging.getLogger(__name__)
 LEASE_EXPIRED = "kv_lease_expired"
 """``error.type`` of a ``kv.notify`` that never came: the producer's lease on the blocks ran out."""
@@ -72,7 +76,7 @@ class _WorkerHooks:
         cfg = self.vllm_config.kv_transfer_config
         bidir = bool(cfg.get_from_extra_config(BIDIRECTIONAL_KV_XFER, False))
         mode = spans.Mode.BIDIRECTIONAL if bidir else self._KVT_MODE
-        emitter = Emitter(role_of(cfg.kv_role), mode, str(self.engine_id),
+        emitter = Emitter(engine_role(cfg.kv_role), mode, str(self.engine_id),
                           tp_rank=getattr(self, "tp_rank", None))
         backends = getattr(self, "nixl_backends", None) or ["UCX"]
         emitter.common[spans.NIXL_BACKEND] = str(backends[0])
@@ -80,17 +84,25 @@ class _WorkerHooks:
         self._kvt_init(emitter)
 
     def _kvt_init(self, emitter: Emitter) -> None:
-        """kvtune's state; ``emitter`` fixes the role and mode. Wraps the NIXL agent."""
+        """kvtune's state; ``emitter`` fixes the mode (and the role, unless per leg). Wraps the
+        NIXL agent."""
         self._kvt = emitter
         self._kvt_role = emitter.role
         self._kvt_xfers = TransferTracker(self._kvt)
         self._kvt_reqs: BoundedDict = BoundedDict()
         self._kvt_retained: dict[str, ReqTrace] = {}
-        self._kvt_hs_trigger: dict[str, tuple[Any, dict[str, Any]]] = {}
+        self._kvt_hs_trigger: dict[str, tuple[Any, dict[str, Any], spans.Role]] = {}
         self._kvt_cur_req: str | None = None
         self.nixl_wrapper = ObservedNixlAgent(self.nixl_wrapper, self._kvt_xfers)
 
     # --- helpers ----------------------------------------------------------------------------
+    def _kvt_leg(self, info: ReqTrace | None, unknown: spans.Role | None) -> spans.Role | None:
+        """The leg of a request on this engine: the engine's role when fixed, else the request's
+        (``info``), else ``unknown``."""
+        if self._kvt_role is not None:
+            return self._kvt_role
+        return info.leg if info is not None and info.leg is not None else unknown
+
     def _kvt_forward_target_sc(self, rid: str) -> tuple[Any, str, ReqTrace | None]:
         info = self._kvt_reqs.get(rid)
         base = info.base_id if info is not None else base_request_id(rid)
@@ -98,11 +110,11 @@ class _WorkerHooks:
         return sc, base, info
 
     def _kvt_notify(self, rid: str, direction: spans.Direction, sc: Any, base: str,
-                    info: ReqTrace | None, error: str | None = None) -> None:
+                    info: ReqTrace | None, role: spans.Role, error: str | None = None) -> None:
         t = now_ns()
         self._kvt.emit(_S.NOTIFY, sc, t, t, lambda: {
             **transfer_attrs(base, direction, rid), **request_attrs(info),
-            spans.TOKENS: info.tokens if info is not None else None}, error=error)
+            spans.TOKENS: info.tokens if info is not None else None}, error=error, role=role)
 
     def _kvt_retention_end(self, rid: str, outcome: spans.RetentionOutcome) -> None:
         info = self._kvt_retained.pop(rid, None)
@@ -111,11 +123,12 @@ class _WorkerHooks:
         self._kvt.emit(_S.RETENTION, info.span_context(), info.mark_ns, now_ns(), lambda: {
             **transfer_attrs(info.base_id, _D.REVERSE, rid), **request_attrs(info),
             spans.TOKENS: info.tokens, spans.RETENTION_TTL_S: info.ttl_s,
-            spans.RETENTION_OUTCOME: outcome.value})
+            spans.RETENTION_OUTCOME: outcome.value}, role=_DEC)
 
-    def _kvt_trigger_handshake(self, engine_id: str, sc: Any, attrs: dict[str, Any]) -> None:
+    def _kvt_trigger_handshake(self, engine_id: str, sc: Any, attrs: dict[str, Any],
+                               role: spans.Role) -> None:
         if engine_id not in self._remote_agents and engine_id not in self._kvt_hs_trigger:
-            self._kvt_hs_trigger[engine_id] = (sc, attrs)
+            self._kvt_hs_trigger[engine_id] = (sc, attrs, role)
 
     # --- hooks ------------------------------------------------------------------------------
     def _kvt_on_metadata(self, metadata: Any) -> None:
@@ -124,20 +137,22 @@ class _WorkerHooks:
             return
         for rid, info in extra.items():
             self._kvt_reqs[rid] = info
-            if info.ttl_s is not None and self._kvt_role is spans.Role.DECODE:
+            if info.ttl_s is not None and self._kvt_leg(info, None) is _DEC:
                 self._kvt_retained[rid] = info
 
     def _kvt_xfer_context(self, op: spans.NixlOp, read_spec: Any, dst_engine_id: str,
                           request_id: str, remote_request_id: str) -> XferContext:
         t = now_ns()
         info = self._kvt_reqs.get(request_id)
-        if op is spans.NixlOp.READ and self._kvt_role is spans.Role.PREFILL:
+        if op is spans.NixlOp.READ and self._kvt_leg(info, _DEC) is _P:
             # A prefill reads only in bidirectional mode: the history's KV back from the decode.
+            role = _P
             direction = _D.REVERSE
             base = base_request_id(remote_request_id)
             sc = (parse_traceparent(info.remote_traceparent) if info is not None else None) \
                 or derived_span_context(base)
         else:
+            role = _DEC if op is spans.NixlOp.READ else _P  # the reader, or the push writer
             direction = _D.FORWARD
             base = info.base_id if info is not None else base_request_id(
                 remote_request_id if op is spans.NixlOp.READ else request_id)
@@ -152,17 +167,17 @@ class _WorkerHooks:
         attrs = {**transfer_attrs(base, direction, request_id), **request_attrs(info),
                  spans.NIXL_OP: op.value, spans.REMOTE_ENGINE_ID: str(dst_engine_id),
                  spans.BLOCKS: count_blocks(block_ids), spans.TOKENS: tokens}
-        return XferContext(sc, attrs, t)
+        return XferContext(sc, attrs, t, role)
 
     def _kvt_on_notified(self, notified: set[str]) -> None:
         for rid in notified:
             if rid in self._kvt_retained:
                 info = self._kvt_retained[rid]
-                self._kvt_notify(rid, _D.REVERSE, info.span_context(), info.base_id, info)
+                self._kvt_notify(rid, _D.REVERSE, info.span_context(), info.base_id, info, _DEC)
                 self._kvt_retention_end(rid, spans.RetentionOutcome.REUSED)
             else:
                 sc, base, info = self._kvt_forward_target_sc(rid)
-                self._kvt_notify(rid, _D.FORWARD, sc, base, info)
+                self._kvt_notify(rid, _D.FORWARD, sc, base, info, _P)
                 self._kvt_reqs.pop(rid, None)
 
     def _kvt_on_expired(self, expired: set[str]) -> None:
@@ -171,15 +186,15 @@ class _WorkerHooks:
                 self._kvt_retention_end(rid, spans.RetentionOutcome.EXPIRED)
             else:
                 sc, base, info = self._kvt_forward_target_sc(rid)
-                self._kvt_notify(rid, _D.FORWARD, sc, base, info, error=LEASE_EXPIRED)
+                self._kvt_notify(rid, _D.FORWARD, sc, base, info, _P, error=LEASE_EXPIRED)
                 self._kvt_reqs.pop(rid, None)
 
     def _kvt_handshake_done(self, engine_id: str, start_ns: int, error: str | None) -> None:
-        sc, attrs = self._kvt_hs_trigger.pop(engine_id, (None, {}))
+        sc, attrs, role = self._kvt_hs_trigger.pop(engine_id, (None, {}, None))
         if sc is None:
             sc = derived_span_context(f"handshake:{self.engine_id}:{engine_id}")
         self._kvt.emit(_S.HANDSHAKE, sc, start_ns, now_ns(),
-                       {**attrs, spans.REMOTE_ENGINE_ID: str(engine_id)}, error=error)
+                       {**attrs, spans.REMOTE_ENGINE_ID: str(engine_id)}, error=error, role=role)
 
     def _kvt_on_shutdown(self) -> None:
         for rid in list(self._kvt_retained):
@@ -241,7 +256,7 @@ class KvtunePullWorker(_WorkerHooks, NixlPullConnectorWorker):
     def _kvt_pull_trigger(self, req_id: str, remote_engine_id: str, meta: Any) -> None:
         ctx = self._kvt_xfer_context(spans.NixlOp.READ, None, remote_engine_id, req_id,
                                      meta.remote.request_id)
-        self._kvt_trigger_handshake(remote_engine_id, ctx.sc, ctx.attrs)
+        self._kvt_trigger_handshake(remote_engine_id, ctx.sc, ctx.attrs, ctx.role)
 
     @compat.overrides(_S.REUSE_DECISION)
     def _read_blocks_for_req(self, req_id: str, meta: Any) -> Any:
@@ -258,10 +273,10 @@ class KvtunePullWorker(_WorkerHooks, NixlPullConnectorWorker):
         return expired
 
     def _kvt_on_turn2(self, meta: Any, expired: bool) -> None:
-        if self._kvt_role is not spans.Role.PREFILL:
-            return  # the decode's own (forward) reads pass the same expiry check
         rid = self._kvt_cur_req
         info = self._kvt_reqs.get(rid) if rid is not None else None
+        if self._kvt_leg(info, _DEC) is not _P:
+            return  # the decode's own (forward) reads pass the same expiry check
         if info is None or info.mark_ns is None or info.remote_base_id is None:
             return
         base = info.remote_base_id or base_request_id(meta.remote.request_id)
@@ -270,7 +285,7 @@ class KvtunePullWorker(_WorkerHooks, NixlPullConnectorWorker):
                        lambda: {**transfer_attrs(base, _D.REVERSE, rid), **request_attrs(info),
                                 spans.REUSE_OUTCOME: outcome.value,
                                 spans.REUSE_REMOTE_TOKENS: info.remote_tokens,
-                                spans.REUSE_THRESHOLD_TOKENS: info.threshold_tokens})
+                                spans.REUSE_THRESHOLD_TOKENS: info.threshold_tokens}, role=_P)
 
     @compat.overrides(_S.DESCRIPTOR_SETUP, _S.RDMA)
     def _read_blocks(self, read_spec: Any, dst_engine_id: str, request_id: str,
@@ -322,7 +337,7 @@ class KvtunePushWorker(_WorkerHooks, NixlPushConnectorWorker):
     def _kvt_reg_trigger(self, req_id: str, reg_data: dict[str, Any]) -> None:
         sc, base, info = self._kvt_forward_target_sc(req_id)
         self._kvt_trigger_handshake(str(reg_data[REMOTE_ENGINE_ID]), sc,
-                                    transfer_attrs(base, _D.FORWARD, req_id))
+                                    transfer_attrs(base, _D.FORWARD, req_id), _DEC)
 
     @compat.overrides(_S.REGISTRATION)
     def _do_send_reg_notif(self, req_id: str, reg_data: dict[str, Any]) -> None:
@@ -337,7 +352,7 @@ class KvtunePushWorker(_WorkerHooks, NixlPushConnectorWorker):
             **transfer_attrs(base, _D.FORWARD, req_id), **request_attrs(info),
             spans.REMOTE_ENGINE_ID: str(reg_data.get(REMOTE_ENGINE_ID)),
             spans.BLOCKS: count_blocks(reg_data.get("local_block_ids")),
-            spans.TOKENS: info.tokens if info is not None else None})
+            spans.TOKENS: info.tokens if info is not None else None}, role=_DEC)
 
     # P side (writer thread): registration received; rendezvous with the finished prefill.
     @compat.overrides(_S.RENDEZVOUS)
@@ -371,9 +386,9 @@ class KvtunePushWorker(_WorkerHooks, NixlPushConnectorWorker):
         attrs = {**transfer_attrs(base, _D.FORWARD, request_id), **request_attrs(info),
                  spans.REMOTE_ENGINE_ID: str(reg.get("decode_engine_id")),
                  spans.FIRST_ARRIVAL: first.value if first is not None else None}
-        self._kvt.emit(_S.RENDEZVOUS, sc, start, t, attrs)
+        self._kvt.emit(_S.RENDEZVOUS, sc, start, t, attrs, role=_P)
         self._kvt_trigger_handshake(str(reg.get("decode_engine_id")), sc,
-                                    transfer_attrs(base, _D.FORWARD, request_id))
+                                    transfer_attrs(base, _D.FORWARD, request_id), _P)
 
     @compat.overrides(_S.DESCRIPTOR_SETUP, _S.RDMA)
     def _xfer_blocks(self, read_spec: Any, dst_engine_id: str, request_id: str,
@@ -403,6 +418,6 @@ class KvtunePushWorker(_WorkerHooks, NixlPushConnectorWorker):
         failed = results.failed_recving or set()
         for rid in results.finished_recving:
             sc, base, info = self._kvt_forward_target_sc(rid)
-            self._kvt_notify(rid, _D.FORWARD, sc, base, info,
+            self._kvt_notify(rid, _D.FORWARD, sc, base, info, _DEC,
                              error="kv_recv_failed" if rid in failed else None)
             self._kvt_reqs.pop(rid, None)

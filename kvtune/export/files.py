@@ -60,7 +60,12 @@ def threshold_tokens(tuning: Tuning) -> int:
 def kv_transfer_configs(tuning: Tuning, *, connector: str = "kvtune",
                         kv_buffer_device: str | None = None,
                         extra: dict[str, Any] | None = None) -> dict[str, dict[str, Any]]:
-    """``{"prefill": {...}, "decode": {...}}``: the two ``--kv-transfer-config`` values."""
+    """``{"prefill": {...}, "decode": {...}}``: the two ``--kv-transfer-config`` values.
+
+    Each names its server's role (``kv_producer`` / ``kv_consumer``): the files are one per role,
+    and that is what vLLM asks of its NIXL connector (it logs ``kv_both`` as deprecated there).
+    An engine started with ``kv_both`` instead gets the same spans (kvtune's connectors label each
+    span with its request's leg), so either works."""
     mode = str(tuning.mode.value)
     if connector not in vllm_pd.CONNECTOR_FAMILIES or mode not in vllm_pd.MODES:
         raise ConfigError(f"export: connector {connector!r} / mode {mode!r}: expected connector in "

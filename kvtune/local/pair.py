@@ -225,7 +225,8 @@ class LocalPair(_Servers):
                  prefill_engine_id: str = DEFAULT_PREFILL_ENGINE_ID,
                  decode_engine_id: str = DEFAULT_DECODE_ENGINE_ID,
                  cpu_cores: tuple[int, int] = (0, 1), warmup_transfer: bool = True,
-                 layout: PairLayout | str = QUIET, fabric: ShapedLink | None = None) -> None:
+                 layout: PairLayout | str = QUIET, fabric: ShapedLink | None = None,
+                 kv_both: bool = False) -> None:
         if mode not in vllm_pd.MODES:
             raise LocalPairError(f"LocalPair: mode expected one of {vllm_pd.MODES}, got {mode!r}")
         # ``vllm`` becomes ``plain`` when the layout changes the NIXL agent, which vLLM's classes
@@ -271,6 +272,9 @@ class LocalPair(_Servers):
         self.decode_engine_id = decode_engine_id
         self.cpu_cores = cpu_cores
         self.warmup_transfer = warmup_transfer
+        self.kv_both = kv_both
+        """Both engines start with ``kv_role: kv_both`` (each request's leg from its params)
+        instead of ``kv_producer`` / ``kv_consumer``."""
         self._router: RouterInThread | None = None
         self._store: SqliteConversationStore | None = None
         self._legs: dict[str, dict[str, LegRecord]] = {}
@@ -295,7 +299,8 @@ class LocalPair(_Servers):
         return vllm_pd.kv_transfer_config(
             role, self.mode, connector="plain" if plain else self.connector,
             engine_id=self.prefill_engine_id if role == "prefill" else self.decode_engine_id,
-            kv_buffer_device="cpu", extra_config=extra)
+            kv_buffer_device="cpu", extra_config=extra,
+            kv_role=vllm_pd.KV_BOTH if self.kv_both else None)
 
     def router_config(self) -> RouterConfig:
         """The configuration of the router that drives this pair's requests (running servers)."""
