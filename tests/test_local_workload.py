@@ -157,3 +157,25 @@ def test_driver_arguments_are_checked():
         run_workload(generate(SMALL), HttpTarget("http://127.0.0.1:1"), time_scale=-1)
     with pytest.raises(ConfigError, match="max_concurrency"):
         run_workload(generate(SMALL), HttpTarget("http://127.0.0.1:1"), max_concurrency=0)
+
+
+def test_turn_major_sends_every_turn_k_before_any_turn_k_plus_one_batch_by_batch(standin):
+    import dataclasses
+
+    plans = generate(SMALL)
+    plans = [dataclasses.replace(p, batch=0 if i < 2 else 1) for i, p in enumerate(plans)]
+    standin.fail_conv = plans[0].conversation_id
+    url = f"http://127.0.0.1:{standin.server_address[1]}"
+    results = run_workload(plans, HttpTarget(url), turn_major=True, progress=False)
+    order = [(r.conversation_id, r.turn) for r in sorted(results, key=lambda r: r.sent_s)]
+    ids = [p.conversation_id for p in plans]
+    batch0 = [(c, t) for c, t in order if c in ids[:2]]
+    batch1 = [(c, t) for c, t in order if c in ids[2:]]
+    # one batch after the other; inside each, turn by turn in the plans' order
+    assert order == batch0 + batch1
+    assert batch0 == [(ids[0], 1)] + [(ids[1], t.turn) for t in plans[1].turns]
+    want = [(c, k) for k in range(1, 4) for c in ids[2:]
+            if k <= len(plans[ids.index(c)].turns)]
+    assert batch1 == want
+    # the failed conversation (turn 1) ended; its history never went on
+    assert [r.ok for r in results if r.conversation_id == ids[0]] == [False]

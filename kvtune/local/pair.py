@@ -47,6 +47,8 @@ from kvtune.local.errors import LocalPairError
 from kvtune.local.fabric import ShapedLink
 from kvtune.local.layout import LAYOUTS, QUIET, PairLayout
 from kvtune.local.metrics import PromptTokenSources, prompt_token_sources
+from kvtune.local.regime import WARM, LabRegime
+from kvtune.local.regime import regime as lab_regime
 from kvtune.local.server import HOST, SERVED_MODEL_NAME, VllmServer, free_ports, logs_report
 from kvtune.local.tiny_model import make_tiny_model
 from kvtune.local.watchdog import StackWatchdog
@@ -226,7 +228,7 @@ class LocalPair(_Servers):
                  decode_engine_id: str = DEFAULT_DECODE_ENGINE_ID,
                  cpu_cores: tuple[int, int] = (0, 1), warmup_transfer: bool = True,
                  layout: PairLayout | str = QUIET, fabric: ShapedLink | None = None,
-                 kv_both: bool = False) -> None:
+                 kv_both: bool = False, regime: LabRegime | str = WARM) -> None:
         if mode not in vllm_pd.MODES:
             raise LocalPairError(f"LocalPair: mode expected one of {vllm_pd.MODES}, got {mode!r}")
         # ``vllm`` becomes ``plain`` when the layout changes the NIXL agent, which vLLM's classes
@@ -251,6 +253,8 @@ class LocalPair(_Servers):
                                      f"got {layout!r}")
             layout = LAYOUTS[layout]
         self.layout = layout
+        self.regime = lab_regime(regime)
+        """The engines' KV cache sizes and ``--max-model-len`` (:mod:`kvtune.local.regime`)."""
         self.fabric = fabric
         """``None``: loopback (UCX picks shared memory or TCP on 127.0.0.1); a :class:`ShapedLink`
         (opened by the caller): the decode runs in the link's namespace and NIXL uses TCP on it."""
@@ -376,8 +380,10 @@ class LocalPair(_Servers):
             role, model_dir=model_dir, workdir=self.workdir, port=port, cpu_core=core,
             kv_transfer_config=self.kv_transfer_config(role),
             env={**self.layout.env(core), **(link.env(role) if link else {}), **env},
-            side_channel_port=side, **({"host": link.host(role), "launch_prefix": link.prefix(role)}
-                                       if link else {}))
+            side_channel_port=side, max_model_len=self.regime.max_model_len,
+            num_blocks=(self.regime.prefill_kv_blocks if role == "prefill"
+                        else self.regime.decode_kv_blocks),
+            **({"host": link.host(role), "launch_prefix": link.prefix(role)} if link else {}))
             for role, port, side, core in (("prefill", p_port, p_side, self.cpu_cores[0]),
                                            ("decode", d_port, d_side, self.cpu_cores[1])))
         self._servers = [self.prefill, self.decode]

@@ -72,8 +72,11 @@ class VllmServer:
                  env: Mapping[str, str] | None = None,
                  side_channel_port: int | None = None,
                  extra_args: Sequence[str] = (), host: str = HOST,
-                 launch_prefix: Sequence[str] = ()) -> None:
+                 launch_prefix: Sequence[str] = (), num_blocks: int = NUM_BLOCKS,
+                 max_model_len: int = MAX_MODEL_LEN) -> None:
         self.name = name
+        self.num_blocks = num_blocks
+        self.max_model_len = max_model_len
         self.host = host
         self.launch_prefix = list(launch_prefix)
         """Command prefix the server starts under (``ip netns exec NS`` on a shaped fabric's
@@ -98,8 +101,8 @@ class VllmServer:
         cmd = [*self.launch_prefix, sys.executable, "-m", "vllm.entrypoints.openai.api_server",
                "--model", str(self.model_dir), "--served-model-name", SERVED_MODEL_NAME,
                "--host", self.host, "--port", str(self.port),
-               "--enforce-eager", "--max-model-len", str(MAX_MODEL_LEN),
-               "--num-gpu-blocks-override", str(NUM_BLOCKS), "--dtype", "bfloat16",
+               "--enforce-eager", "--max-model-len", str(self.max_model_len),
+               "--num-gpu-blocks-override", str(self.num_blocks), "--dtype", "bfloat16",
                "--seed", str(SEED), "--uvicorn-log-level", "warning"]
         if self.kv_transfer_config is not None:
             cmd += ["--kv-transfer-config", json.dumps(self.kv_transfer_config)]

@@ -100,6 +100,9 @@ class ConversationPlan:
     """Send every turn under ``conversation_id`` (the router links them: in bidirectional mode
     it offers the history back). False: each turn goes under an id of its own
     (``<conversation_id>.t<turn>``), so nothing links them and the history is recomputed."""
+    batch: int = 0
+    """Driven turn by turn (``run_workload(turn_major=True)``): the batches run one after the
+    other, each turn by turn."""
 
     def router_conversation_id(self, turn: int) -> str:
         """The conversation id turn ``turn`` is sent under."""
@@ -200,13 +203,18 @@ class PairTarget:
 
 def run_workload(plans: Sequence[ConversationPlan], target: Target, *,
                  time_scale: float = 1.0, max_concurrency: int | None = None,
-                 progress: bool = True,
+                 progress: bool = True, turn_major: bool = False,
                  on_result: Callable[[RequestResult], None] | None = None) -> list[RequestResult]:
     """Send every turn of every conversation to ``target``, keeping arrival times and gaps.
 
     ``time_scale`` multiplies all waits (0 sends as fast as possible). A failed request ends its
     conversation (later turns need its output) and is recorded with ``ok=False``. Results are in
     the order the requests were sent.
+
+    ``turn_major``: one request at a time, every conversation's turn k (in the plans' order)
+    before any turn k+1, batch after batch (:attr:`ConversationPlan.batch`); arrival times and
+    think times are not waited for (the other conversations' turns are the gap: the lab's fleet
+    regime, :mod:`kvtune.local.regime`).
     """
     if time_scale < 0:
         raise ConfigError(f"run_workload: time_scale expected >= 0, got {time_scale}")
@@ -225,36 +233,53 @@ def run_workload(plans: Sequence[ConversationPlan], target: Target, *,
         if on_result is not None:
             on_result(r)
 
+    def send(plan: ConversationPlan, tp: TurnPlan, history: list[int]) -> list[int] | None:
+        """One turn; the conversation's history after it (None: it failed, and so ends)."""
+        prompt = history + list(tp.user_tokens)
+        rid = f"{plan.conversation_id}-t{tp.turn}-{uuid.uuid4().hex[:8]}"
+        sent = time.monotonic()
+        try:
+            out, ttft = target.send(prompt, tp.max_tokens, request_id=rid,
+                                    conversation_id=plan.router_conversation_id(tp.turn),
+                                    turn=tp.turn)
+        except (client.HttpError, LocalPairError, OSError) as exc:
+            record(RequestResult(plan.conversation_id, tp.turn, rid, len(prompt), 0,
+                                 sent - t0, (time.monotonic() - sent) * 1e3, None, False,
+                                 f"{type(exc).__name__}: {exc}"[:2000]))
+            with lock:
+                bar.update(len(plan.turns) - tp.turn)
+            return None
+        record(RequestResult(plan.conversation_id, tp.turn, rid, len(prompt), len(out),
+                             sent - t0, (time.monotonic() - sent) * 1e3, ttft, True,
+                             output_token_ids=tuple(out)))
+        return prompt + list(out)
+
     def run_conversation(plan: ConversationPlan) -> None:
         _sleep_until(t0 + plan.start_s * time_scale)
-        history: list[int] = list(plan.system_tokens)
+        history: list[int] | None = list(plan.system_tokens)
         for tp in plan.turns:
             if tp.think_time_s:
                 time.sleep(tp.think_time_s * time_scale)
-            prompt = history + list(tp.user_tokens)
-            rid = f"{plan.conversation_id}-t{tp.turn}-{uuid.uuid4().hex[:8]}"
-            sent = time.monotonic()
-            try:
-                out, ttft = target.send(prompt, tp.max_tokens, request_id=rid,
-                                        conversation_id=plan.router_conversation_id(tp.turn),
-                                        turn=tp.turn)
-            except (client.HttpError, LocalPairError, OSError) as exc:
-                record(RequestResult(plan.conversation_id, tp.turn, rid, len(prompt), 0,
-                                     sent - t0, (time.monotonic() - sent) * 1e3, None, False,
-                                     f"{type(exc).__name__}: {exc}"[:2000]))
-                with lock:
-                    bar.update(len(plan.turns) - tp.turn)
+            history = send(plan, tp, history)
+            if history is None:
                 return
-            record(RequestResult(plan.conversation_id, tp.turn, rid, len(prompt), len(out),
-                                 sent - t0, (time.monotonic() - sent) * 1e3, ttft, True,
-                                 output_token_ids=tuple(out)))
-            history = prompt + list(out)
 
-    workers = min(len(plans), max_concurrency or len(plans)) or 1
     try:
-        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="kvtune-workload") as ex:
-            for fut in [ex.submit(run_conversation, p) for p in plans]:
-                fut.result()
+        if turn_major:
+            for b in sorted({p.batch for p in plans}):
+                batch = [p for p in plans if p.batch == b]
+                live: list[list[int] | None] = [list(p.system_tokens) for p in batch]
+                for k in range(max(len(p.turns) for p in batch)):
+                    for i, plan in enumerate(batch):
+                        hist = live[i]
+                        if hist is not None and k < len(plan.turns):
+                            live[i] = send(plan, plan.turns[k], hist)
+        else:
+            workers = min(len(plans), max_concurrency or len(plans)) or 1
+            with ThreadPoolExecutor(max_workers=workers,
+                                    thread_name_prefix="kvtune-workload") as ex:
+                for fut in [ex.submit(run_conversation, p) for p in plans]:
+                    fut.result()
     finally:
         bar.close()
     return sorted(results, key=lambda r: r.sent_s)
