@@ -142,8 +142,16 @@ def test_headline_cards_say_value_range_and_why_in_rounded_numbers():
 def test_headline_reads_a_verification_when_one_is_recorded():
     h = headline.build(_rec(verification={"status": "confirmed", "ttft_p50_change_pct": -12.345,
                                           "detail": "kvtune verify, 200 requests"}))
-    assert h.verification.text() == ("Verification: confirmed, TTFT p50 -12.3% against the old "
-                                     "settings — kvtune verify, 200 requests")
+    assert h.verification.text() == ("Verification: confirmed, TTFT p50 12.3% lower than under "
+                                     "vLLM's defaults — kvtune verify, 200 requests")
+
+
+def test_headline_names_the_lab_regime_it_measured():
+    h = headline.build(_rec(lab={"regime": "fleet", "why": "later turns reach a prefill that "
+                                                           "lacks the history"}))
+    assert h.confidence[0] == ("Measured on this machine's lab in its fleet regime: later turns "
+                               "reach a prefill that lacks the history.")
+    assert not any("regime" in line for line in headline.build(_rec()).confidence)
 
 
 def test_headline_never_threshold_and_unknown_model():

@@ -7,6 +7,8 @@ import json
 import pytest
 
 from kvtune import cli
+from kvtune.local.regime import FLEET, WARM
+from kvtune.verify import crossover as X
 from kvtune.verify.backends import ClusterBackend, LocalPairBackend
 from kvtune.verify.run import assemble
 
@@ -31,7 +33,9 @@ def test_two_configs_on_the_local_pair(calls, tmp_path, capsys):
     ((configs, backend, plans, out, kw),) = calls
     assert [c.name for c in configs] == ["defaults", "b"]
     assert isinstance(backend, LocalPairBackend)
-    assert backend.pair_kwargs == {"connector": "vllm", "layout": "quiet"}
+    assert backend.pair_kwargs == {"connector": "vllm", "layout": "quiet", "regime": WARM}
+    assert "lab regime warm" in backend.description
+    assert kw["starts"] == 2 and kw["turn_major"] is False  # A B A B by default
     assert len(plans) == 3 and out == tmp_path / "o" and kw["crossover"] is None
     assert json.loads((tmp_path / "w.json").read_text())["format"] == "kvtune.workload/1"
     assert "3 conversations, 6 requests" in kw["workload"]
@@ -46,13 +50,35 @@ def test_tune_dir_defaults_and_crossover_grid(calls, tmp_path):
                                        "evidence": {"break_even_tokens": 54.9}},
             "decoder_kv_blocks_ttl": {"value": 22}}}))
     assert cli.main(["verify", "--tune-dir", str(tmp_path / "t"), "--crossover",
-                     "--no-progress"]) == 0
-    ((configs, _, _, out, kw),) = calls
+                     "--workload", "tune", "--no-progress"]) == 0
+    ((configs, backend, plans, out, kw),) = calls
     assert [c.name for c in configs] == ["defaults", "recommended"]
     assert configs[1].recompute_threshold_tokens == 55
     assert out == tmp_path / "t" / "verify"
+    # The sweep spans the workload's histories (one block to the longest), whatever the
+    # recommendation's break-even (55) says.
     lengths = kw["crossover"].lengths_tokens
-    assert lengths[0] <= 17 and lengths[-1] >= 74 * 2  # spans the range and 4x the break-even
+    assert lengths[0] == 128 and lengths[-1] == X.longest_history(plans)
+    assert len(lengths) == X.N_LENGTHS
+
+
+def test_tune_dir_replays_the_lab_regime_it_was_tuned_in(calls, tmp_path):
+    (tmp_path / "t" / "configs").mkdir(parents=True)
+    (tmp_path / "t" / "configs" / "recommendation.json").write_text(json.dumps({
+        "lab": {"regime": "fleet", "why": "..."},
+        "recommendations": {
+            "mode": {"value": "bidirectional"}, "kv_recompute_threshold": {"value": 55},
+            "decoder_kv_blocks_ttl": {"value": 22}}}))
+    assert cli.main(["verify", "--tune-dir", str(tmp_path / "t"), "--workload", "tune",
+                     "--conversations", "16", "--no-progress"]) == 0
+    ((_, backend, plans, _, kw),) = calls
+    assert backend.pair_kwargs["regime"] is FLEET and "lab regime fleet" in backend.description
+    assert kw["turn_major"] is True and kw["max_concurrency"] == 1
+    assert sorted(len(p.turns[0].user_tokens) for p in plans) == sorted(FLEET.first_prompt_tokens)
+    # --lab overrides the tune directory's
+    assert cli.main(["verify", "--tune-dir", str(tmp_path / "t"), "--lab", "warm",
+                     "--no-progress"]) == 0
+    assert calls[1][1].pair_kwargs["regime"] is WARM
 
 
 def test_cluster_target(calls, tmp_path):
@@ -73,6 +99,9 @@ def test_cluster_target(calls, tmp_path):
     (["verify", "--config", "defaults", "--crossover", "--crossover-lengths", "64"],
      "at least 2 distinct"),
     (["verify", "--tune-dir", "/nonexistent-kvtune"], "no configs/recommendation.json"),
+    (["verify", "--config", "defaults", "--lab", "cold"], "expected one of ['fleet', 'warm']"),
+    (["verify", "--config", "defaults", "--lab", "fleet", "--prefill", "http://h:1", "--decode",
+      "http://h:2"], "applies to the local pair"),
 ])
 def test_bad_arguments_exit_2_naming_the_input(calls, argv, match, capsys, tmp_path):
     assert cli.main(argv + ["--out", str(tmp_path)]) == 2
@@ -95,16 +124,15 @@ def test_fabric_shapes_each_pair_or_stays_loopback(calls, tmp_path, capsys):
 
 
 def test_tune_workload_replays_tunes_traffic_two_at_a_time(calls, tmp_path):
-    from kvtune.tune import sources
     rc = cli.main(["verify", "--config", "defaults", "--workload", "tune", "--conversations", "7",
                    "--out", str(tmp_path), "--no-progress"])
     assert rc == 0
     ((configs, backend, plans, out, kw),) = calls
-    assert kw["max_concurrency"] == sources.PARALLEL_CONVERSATIONS
-    assert len(plans) == 7 and all(len(p.turns) == sources.TURNS for p in plans)
+    assert kw["max_concurrency"] == WARM.parallel_conversations == 2
+    assert len(plans) == 7 and all(len(p.turns) == WARM.turns for p in plans)
     firsts = [len(p.turns[0].user_tokens) for p in plans]
-    assert firsts[:3] == list(sources.FIRST_PROMPT_TOKENS)
-    assert {len(t.user_tokens) for p in plans for t in p.turns[1:]} == {sources.NEW_TOKENS_PER_TURN}
+    assert firsts[:3] == list(WARM.first_prompt_tokens)
+    assert {len(t.user_tokens) for p in plans for t in p.turns[1:]} == {WARM.new_tokens_per_turn}
 
 
 def test_modes_need_a_recommendation(calls, tmp_path, capsys):

@@ -7,10 +7,11 @@ import dataclasses
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from kvtune.errors import ConfigError
-from kvtune.verify import measure, page, results, verdict
+from kvtune.verify import measure, page, results, stats, verdict
 from kvtune.verify import crossover as X
 from kvtune.verify.configs import VerifyConfig
 from kvtune.verify.results import RequestMeasurement
@@ -77,17 +78,55 @@ def test_page_has_verdicts_table_and_figures(recorded):
     assert rows[0][0] == "config" and [r[0] for r in rows[1:]] == ["defaults", "bidi"]
 
 
-def test_verdict_wording_and_status():
-    ch = PairedChange(0.5, 12.34, 4.0, 19.0, 40, 100.0, 87.66)
+def test_verdict_wording_follows_the_interval_and_names_the_detectable_effect():
+    ch = PairedChange(0.5, 12.34, 4.0, 19.0, 40, 100.0, 87.66, detectable_pct=6.25, starts=2)
     text = verdict.verdict_text("defaults", "recommended", ch)
     assert text.startswith("recommended is 12.3% faster than defaults at p50")
-    assert "[4.0, 19.0]" in text
+    assert "[4.0, 19.0]" in text and "40 matched requests over 2 starts each" in text
+    assert "smallest detectable effect 6.2% (80% power, 5% level)" in text
     assert verdict.status(ch) == verdict.STATUS_BETTER
-    assert verdict.status(dataclasses.replace(ch, low_pct=-3.0)) == verdict.STATUS_NOT_WORSE
+    # an interval across zero: no word for a direction, only what the run could have seen
+    tie = dataclasses.replace(ch, faster_pct=-5.6, low_pct=-15.5, high_pct=7.2)
+    assert verdict.status(tie) == f"{verdict.STATUS_NO_DIFFERENCE} above 6.2%"
+    text = verdict.verdict_text("defaults", "recommended", tie)
+    assert "no difference detectable above 6.2% at p50" in text
+    assert "faster than" not in text and "slower than" not in text
     slow = dataclasses.replace(ch, faster_pct=-20.0, low_pct=-30.0, high_pct=-10.0)
     assert verdict.status(slow) == verdict.STATUS_WORSE
     assert "20.0% slower" in verdict.verdict_text("d", "r", slow)
     assert verdict.status(None) == verdict.STATUS_UNKNOWN
+    # where kvtune recommends vLLM's defaults, the decision is what is verified
+    assert verdict.decision_status("bidirectional", tie).startswith(verdict.STATUS_DEFAULTS)
+    assert "no difference detectable above 6.2% (a tie)" in verdict.decision_status(
+        "bidirectional", tie)
+    assert "decision verified" in verdict.decision_status("push", slow)
+    assert "not confirmed" in verdict.decision_status("push", ch)
+
+
+def test_paired_change_over_starts_holds_the_workload_fixed_and_counts_start_offsets():
+    rng = np.random.default_rng(0)
+    # a spread-out request mix (as the fleet's: first turns the same under both, later turns
+    # much faster under the candidate), replayed in two starts with 3% jitter per measurement
+    sizes = np.exp(rng.uniform(np.log(50), np.log(1500), 100))
+    ratio = np.where(np.arange(100) % 4 == 0, 1.0, 0.4)
+    base, cand, starts, units = {}, {}, {}, {}
+    for s in (0, 1):
+        for i, v in enumerate(sizes):
+            k = f"r{i}@{s}"
+            base[k] = v * rng.normal(1, 0.03)
+            cand[k] = ratio[i] * v * rng.normal(1, 0.03)
+            starts[k], units[k] = s, f"r{i}"
+    flat = stats.paired_change(base, cand)  # requests resampled: the mix's spread counts
+    rep = stats.paired_change(base, cand, starts=starts, units=units)
+    assert flat.starts == 1 and rep.starts == 2
+    assert flat.low_pct < rep.faster_pct < flat.high_pct
+    assert rep.low_pct < rep.faster_pct < rep.high_pct
+    # the same requests replayed in both starts: their mix is a design, not noise
+    assert rep.detectable_pct < flat.detectable_pct / 2
+    # a start whose candidate runs 15% slower is an offset the interval must carry
+    shifted = {k: v * (1.15 if starts[k] else 1.0) for k, v in cand.items()}
+    off = stats.paired_change(base, shifted, starts=starts, units=units)
+    assert off.detectable_pct > 2 * rep.detectable_pct
 
 
 def _tune_dir(tmp_path: Path, recorded: results.VerifyResult, *, matching: bool) -> Path:
@@ -151,7 +190,8 @@ def test_headline_reads_the_entry():
 
     v = Verification.from_json({"status": verdict.STATUS_BETTER, "ttft_p50_change_pct": -12.5,
                                 "detail": "recommended beat defaults by 12.5%"})
-    assert v.text().startswith("Verification: verified: faster than defaults, TTFT p50 -12.5%")
+    assert v.text().startswith("Verification: verified: faster than defaults, TTFT p50 12.5% "
+                               "lower than under vLLM's defaults")
 
 
 def test_bad_result_files(tmp_path):
@@ -257,26 +297,59 @@ def test_kv_usage_and_summary_are_pure():
 
 
 def test_crossover_plans_and_lengths():
-    spec = X.CrossoverSpec((32, 256), repeats=3)
+    spec = X.CrossoverSpec((128, 256), repeats=3)
     plans = X.plans(spec)
-    assert len(plans) == 12 and plans == X.plans(spec)
-    arms = [X.history_of(p.conversation_id) for p in plans]
-    # each (length, repeat) has both arms, back to back; only the reuse-on arm links its turns
-    assert sorted(arms) == sorted((h, a) for h in (32, 256) for _ in range(3) for a in ("on", "off"))
-    for a, b in zip(plans[::2], plans[1::2]):
-        assert a.conversation_id.rsplit("-", 1)[0] == b.conversation_id.rsplit("-", 1)[0]
-        assert {a.link_turns, b.link_turns} == {True, False}
-    for p, (h, arm) in zip(plans, arms):
+    assert plans == X.plans(spec)
+    swept = [p for p in plans if X.history_of(p.conversation_id) is not None]
+    fillers = [p for p in plans if X.history_of(p.conversation_id) is None]
+    arms = [X.history_of(p.conversation_id) for p in swept]
+    # each (length, repeat) has both arms in the same batch; only the reuse-on arm links turns
+    assert sorted(arms) == sorted((h, a) for h in (128, 256) for _ in range(3) for a in ("on", "off"))
+    for r in range(3):  # a repeat in two batches (every other length), both arms in each
+        for i, lengths in enumerate(((128,), (256,))):
+            batch = [p for p in swept if p.batch == 2 * r + i]
+            assert sorted(X.history_of(p.conversation_id) for p in batch) == sorted(
+                (h, a) for h in lengths for a in ("on", "off"))
+            # the batch carries enough traffic to evict every history from the sweep's prefill
+            carried = sum(len(p.turns[0].user_tokens) for p in plans if p.batch == 2 * r + i)
+            assert carried >= X.EVICT_FACTOR * spec.prefill_cache_tokens
+    assert fillers and all(len(p.turns) == 1 for p in fillers)
+    for p, (h, arm) in zip(swept, arms):
         t1, t2 = p.turns
         assert len(t1.user_tokens) + t1.max_tokens == h and t2.max_tokens == 1
         assert p.link_turns == (arm == "on")
         assert (p.router_conversation_id(2) == p.router_conversation_id(1)) == (arm == "on")
     cfg = spec.config()
-    assert (cfg.mode, cfg.recompute_threshold_tokens) == ("bidirectional", X.REUSE_ON_THRESHOLD_TOKENS)
-    grid = X.lengths_around(55, (17, 74))
-    assert grid[0] <= 17 and grid[-1] >= 220 and list(grid) == sorted(set(grid))
-    assert X.lengths_around(None)[-1] <= X.MAX_HISTORY_TOKENS
+    assert (cfg.mode, cfg.recompute_threshold_tokens, cfg.ttl_s) == (
+        "bidirectional", X.REUSE_ON_THRESHOLD_TOKENS, X.SWEEP_TTL_S)
+    # lengths come from the workload: one block to the longest history, log-spaced
+    grid = X.lengths_from_workload(2680)
+    assert grid[0] == 128 and grid[-1] == 2680 and list(grid) == sorted(set(grid))
+    assert len(grid) == X.N_LENGTHS
+    assert X.lengths_from_workload(10 ** 6)[-1] == X.MAX_HISTORY_TOKENS
     with pytest.raises(ConfigError, match="repeats"):
-        X.CrossoverSpec((32, 64), repeats=1)
+        X.CrossoverSpec((128, 256), repeats=1)
     with pytest.raises(ConfigError, match="lengths_tokens"):
-        X.CrossoverSpec((32, 5000))
+        X.CrossoverSpec((32, 256))
+    with pytest.raises(ConfigError, match="lengths_tokens"):
+        X.CrossoverSpec((128, 5000))
+
+
+def test_crossover_statement_says_when_the_arms_never_cross():
+    est = stats.crossover({128: [30, 31], 512: [35, 36]}, {128: [60, 61], 512: [200, 210]})
+    assert est.side == "reuse_always_faster"
+    assert X.statement(est).startswith("reuse faster at every swept length >= 128 tokens")
+    est = stats.crossover({128: [60, 61], 512: [35, 36]}, {128: [30, 31], 512: [200, 210]})
+    assert est.side == "crossed" and X.statement(est).startswith(f"crossover {est.tokens:.0f}")
+
+
+def test_crossover_leaves_out_turns_whose_prefill_held_the_history():
+    from kvtune.verify.results import CrossoverPoint as P
+    pts = [P(256, "on", 30.0 + i, 256, 256) for i in range(4)]
+    pts += [P(256, "off", 90.0 + i, None, 0) for i in range(3)]
+    pts += [P(256, "off", 35.0, None, 256)]  # the prefill's own cache served it: not recomputed
+    pts += [P(128, "on", 30.0 + i, 128, 128) for i in range(3)]
+    pts += [P(128, "off", 60.0 + i, None, 0) for i in range(3)]
+    res = X.analyze(pts)
+    assert res.local_hits == 1
+    assert res.estimate.diff_p50_ms[1] == pytest.approx(31.5 - 91.0)

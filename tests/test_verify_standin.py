@@ -27,24 +27,27 @@ def test_verify_through_router_and_standins(tmp_path):
                                  confirm=lambda cfg, text: told.append((cfg.name, text)))
         res = run_verify([load_config("defaults"), load_config("bidi=defaults:bidirectional")],
                          backend, generate(SMALL), tmp_path / "out", workload="small",
-                         progress=False)
-    assert [name for name, _ in told] == ["defaults", "bidi"]
+                         starts=2, progress=False)
+    # two starts each, in alternating order (A B A B): a start's offset is not read as an effect
+    assert [name for name, _ in told] == ["defaults", "bidi", "defaults", "bidi"]
     assert BIDIRECTIONAL_KV_XFER in told[1][1] and cluster.decode[0].instance().url in told[1][1]
     assert [c.config.name for c in res.configs] == ["defaults", "bidi"]
     for c in res.configs:
-        assert len(c.requests) == 6 and c.n_failed == 0
+        assert len(c.requests) == 12 and c.n_failed == 0 and c.starts == 2
+        assert sorted({r.start for r in c.requests}) == [0, 1]
         # TTFT comes from the router's kv.request spans, matched by the client's request id
         assert all(r.ttft_ms is not None and r.ttft_ms > 0 for r in c.requests)
-        assert c.ttft_p50 is not None and c.ttft_p50.n == 6
+        assert c.ttft_p50 is not None and c.ttft_p50.n == 12
         assert c.reused_tokens is None and c.reuse_captured_share is None  # no /metrics here
         assert c.turn2plus_prompt_tokens == sum(r.prompt_tokens for r in c.requests if r.turn > 1)
     (comp,) = res.comparisons
-    assert (comp.baseline, comp.candidate) == ("defaults", "bidi") and comp.p50.n_pairs == 6
-    assert comp.verdict.startswith("bidi is ")
-    # bidirectional turns 2 were offered the decode's retained history by the router
+    assert (comp.baseline, comp.candidate) == ("defaults", "bidi") and comp.p50.n_pairs == 12
+    assert comp.p50.starts == 2 and comp.p50.detectable_pct is not None
+    assert comp.verdict.startswith("bidi ") and "smallest detectable effect" in comp.verdict
+    # bidirectional turns 2 were offered the decode's retained history by the router (3 a start)
     bidi_prefills = [r for r in cluster.requests("prefill")
                      if (r.body.get(KV_TRANSFER_PARAMS) or {}).get(REMOTE_BLOCK_IDS)]
-    assert len(bidi_prefills) == 3
+    assert len(bidi_prefills) == 6
     back = results.read(tmp_path / "out" / results.RESULT_FILE)
     assert back == res
     page = (tmp_path / "out" / results.PAGE_FILE).read_text()

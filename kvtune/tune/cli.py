@@ -29,6 +29,11 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "(default), a veth link to a network namespace shaped to RATE (e.g. "
                         "shaped:200mbit; needs root, ip and tc), or auto (shaped:1gbit where "
                         "possible, else loopback; what `make tune` uses)")
+    p.add_argument("--lab", default=None, metavar="fleet|warm",
+                   help="without --traces: the lab regime kvtune's own pair runs in (default "
+                        "fleet: later turns reach a prefill that lacks the history, as in a fleet; "
+                        "warm: one prefill whose prefix cache keeps every history; see "
+                        "kvtune.local.regime)")
     p.add_argument("--verify", action="store_true",
                    help="without --traces: then replay the same kind of traffic on the local pair "
                         "under vLLM's defaults and under the recommendation (kvtune verify) and "
@@ -66,13 +71,22 @@ def run(args: argparse.Namespace) -> int:
     if args.traces and fabric.rate_mbit is not None:
         raise ConfigError(f"--fabric {args.fabric}: applies only without --traces (it shapes the "
                           f"link of the spans kvtune makes itself)")
+    if args.lab is not None and args.traces:
+        raise ConfigError(f"--lab {args.lab}: applies only without --traces (it is the regime of "
+                          f"the pair kvtune runs itself)")
     if args.verify and args.traces:
         raise ConfigError("--verify: applies only without --traces (it replays the traffic of the "
                           "pair kvtune runs itself; for your cluster run `kvtune verify "
                           "--tune-dir OUT --prefill URL --decode URL`)")
+    default_source: dict[str, Any] = {}
+    if fabric.rate_mbit is not None:
+        default_source["fabric"] = fabric
+    if args.lab is not None:
+        from kvtune.local.regime import regime
+        default_source["regime"] = regime(args.lab)
     result = run_tune(args.traces, args.out, parameters=params,
                       notebooks=[n for n in args.notebooks.split(",") if n],
-                      default_source={"fabric": fabric} if fabric.rate_mbit is not None else None)
+                      default_source=default_source or None)
     print(f"kvtune tune: done in {result.elapsed_s:.0f} s; trace source: {result.source} "
           f"({result.source_kind})")
     print(f"  report:          {result.report_html}")
@@ -99,10 +113,14 @@ def _verify(result: Any, rate_mbit: float | None) -> None:
         print(f"  verification:    skipped: the spans came from {result.source_kind}, not the "
               f"local vLLM pair it would replay on")
         return
+    from kvtune.verify.page import crossover_text
+
     res = verify_tune_dir(result.out_dir, shaped_rate_mbit=rate_mbit)
     for comp in res.comparisons:
         print(f"  verification:    {comp.verdict}")
     if res.predictions is not None:
         for line in res.predictions.lines():
             print(f"    {line}")
+    if res.crossover is not None:
+        print(f"    {crossover_text(res)}")
     print(f"  report (again):  {result.report_html}")

@@ -23,6 +23,9 @@ GOOD_R2 = 0.9
 """A floor fit with R^2 at or above this explains transfer time well (below: say it is weak)."""
 MIN_TRANSFERS = 30
 """Fewer fitted transfers than this make the intervals wide; the page says so."""
+LAB_KEY = "lab"
+"""Key of ``recommendation.json`` naming the lab regime kvtune's own spans were made in
+(``kvtune.tune.run`` writes it; ``{"regime": "fleet", "why": "..."}``)."""
 VERIFY_KEY = "verification"
 """Key of ``recommendation.json`` that a verification run fills (see :class:`Verification`)."""
 
@@ -62,7 +65,9 @@ class Verification:
     def text(self) -> str:
         out = f"Verification: {self.status}"
         if self.ttft_p50_change_pct is not None:
-            out += f", TTFT p50 {fmt_num(self.ttft_p50_change_pct, 3)}% against the old settings"
+            word = "lower" if self.ttft_p50_change_pct < 0 else "higher"
+            out += (f", TTFT p50 {fmt_num(abs(self.ttft_p50_change_pct), 3)}% {word} than under "
+                    f"vLLM's defaults")
         return out + (f" — {self.detail}" if self.detail else "")
 
 
@@ -138,6 +143,10 @@ def _mode_card(r: Mapping[str, Any]) -> ValueCard:
 
 def _confidence(rec: Mapping[str, Any]) -> tuple[str, ...]:
     lines = []
+    lab = rec.get(LAB_KEY)
+    if isinstance(lab, Mapping) and lab.get("regime"):
+        lines.append(f"Measured on this machine's lab in its {lab['regime']} regime: "
+                     f"{lab.get('why') or ''}.")
     fq, fit = rec.get("fit_quality") or {}, rec.get("fit") or {}
     if fq:
         r2, n = fq.get("r2"), fq.get("n_transfers")

@@ -13,7 +13,7 @@ from kvtune import nb
 from kvtune.errors import KvtuneError
 from kvtune.recommend.saved import INPUT_NAMES, tuning_inputs, write_tuning
 from kvtune.tune import params as P
-from kvtune.tune.headline import VERIFY_KEY
+from kvtune.tune.headline import LAB_KEY, VERIFY_KEY
 from kvtune.tune.notebooks import (NOTEBOOKS_DIR, TUNE_NOTEBOOKS, NotebookKernels, draws_tuning,
                                    notebook_path, run_notebook)
 from kvtune.tune.report import write_report
@@ -61,6 +61,7 @@ def run_tune(traces: str | None = None, out_dir: str | Path = "out/tune", *,
     merged["out_dir"] = str(out)
     checked = P.validate(merged)
     source_kind = "user"
+    lab: dict[str, str] | None = None
     if not checked["traces"]:
         from kvtune.tune.sources import make_default_spans
         made = make_default_spans(out / "spans", seed=checked["seed"], **(default_source or {}))
@@ -71,6 +72,9 @@ def run_tune(traces: str | None = None, out_dir: str | Path = "out/tune", *,
             checked["fabric"] = made.fabric
         if made.model and not checked["model_name"]:
             checked["model_name"] = made.model
+        if made.regime:
+            from kvtune.local.regime import regime as lab_regime
+            lab = {"regime": made.regime, "why": lab_regime(made.regime).why}
     else:
         source_desc = checked["traces"]
     figures = out / "figures"
@@ -98,6 +102,8 @@ def run_tune(traces: str | None = None, out_dir: str | Path = "out/tune", *,
         data = json.loads(rec.read_text())
         data["trace_source_kind"] = source_kind
         data["report_source"] = f"{source_desc} ({source_kind})"  # the report's source line
+        if lab is not None:  # which lab regime the spans were made in, and why (the report's)
+            data[LAB_KEY] = lab
         # A ``kvtune verify --tune-dir`` result of these very values (in out/verify/) is shown;
         # one of other values (an earlier run's) is not.
         from kvtune.verify.tune_link import FIGURE_PREFIX, verification_for_tune_dir

@@ -3,7 +3,9 @@
 1. The fabric probe: two NIXL agents in two processes sweep KV-shaped transfers (local geometry).
 2. The local vLLM prefill/decode pair on a tiny local model, bidirectional mode with kvtune's
    instrumented connectors, driven through the kvtune router (a subprocess) by a multi-turn,
-   agent-like workload (conversations with growing history and think-time gaps); then the same
+   agent-like workload (conversations with growing history) in one of the lab's regimes
+   (:mod:`kvtune.local.regime`: ``fleet``, the default, where later turns reach a prefill that
+   lacks their history, or ``warm``, where its prefix cache keeps them all); then the same
    traffic in push and in pull, each on a fresh pair (:data:`SEGMENT_MODES`), whose requests'
    measured TTFT stands for each mode in the mode comparison.
 3. When vLLM cannot run here (not installed, or the pair fails), the simulator stands in, calibrated
@@ -21,24 +23,15 @@ from pathlib import Path
 from typing import Any
 
 from kvtune.local.fabric import FabricSpec, ShapedLink
+from kvtune.local.regime import DEFAULT_REGIME, LabRegime
+from kvtune.local.regime import regime as lab_regime
 
 log = logging.getLogger(__name__)
 
 PROBE_TOKENS = (16, 64, 256, 1024, 4096)
 """Probe sweep on the tiny model's geometry (tokens per rank): a few sizes, quick on 2 cores."""
 PROBE_ITERS = 10
-FIRST_PROMPT_TOKENS = (64, 512, 2560)
-"""First-turn prompt lengths: three history sizes, so the serving transfers span from one 128-token
-block (a short prompt, a turn's new tokens pulled back) to 21 blocks: over the 16x the floor fit needs
-to tell the per-transfer floor from the per-byte cost without the probe."""
-CONVERSATIONS_PER_SIZE = 2
-TURNS = 4
-NEW_TOKENS_PER_TURN = 48
-MAX_TOKENS = 8
-THINK_TIME_S = (0.5, 3.0)
-"""Uniform think-time gap between a turn's answer and the next turn (seconds)."""
 REQUEST_TIMEOUT_S = 240.0
-PARALLEL_CONVERSATIONS = 2
 RECOMPUTE_THRESHOLD = 1
 """The pair pulls any history back (threshold 1), so reverse transfers of every size are traced."""
 SEGMENT_MODES = ("push", "pull")
@@ -49,7 +42,9 @@ not see: push's legs run at once on the same two cores (the prefill's compute to
 long in push as in pull, on the same prompts), and a bidirectional pair was measured 10-20%
 slower than a pull pair even where nothing was pulled back. 12 requests a segment gave a p50
 off by half in one run (push's TTFT here is bimodal); 24 do not."""
-SEGMENT_CONVERSATIONS_PER_SIZE = CONVERSATIONS_PER_SIZE
+MIN_TOKEN_ID = 50
+MAX_TOKEN_ID = 1950
+"""Prompt token ids are drawn from [MIN, MAX) (plain tokens of the tiny model's vocabulary)."""
 
 
 @dataclass(frozen=True)
@@ -76,45 +71,46 @@ class DefaultSpans:
     details: dict[str, Any] = field(default_factory=dict)
     model: str | None = None
     """The model the spans were made with (the tiny model's directory: what `vllm serve` took)."""
+    regime: str | None = None
+    """The lab regime the pair ran in (``kvtune.local.regime``); None: no pair ran."""
 
 
 def make_default_spans(spans_dir: str | Path, *, seed: int = 0, use_vllm: bool = True,
                        probe_tokens: Sequence[int] = PROBE_TOKENS,
-                       first_prompt_tokens: Sequence[int] = FIRST_PROMPT_TOKENS,
-                       conversations_per_size: int = CONVERSATIONS_PER_SIZE, turns: int = TURNS,
+                       regime: LabRegime | str = DEFAULT_REGIME,
+                       conversations: int | None = None,
                        fabric: FabricSpec = FabricSpec()) -> DefaultSpans:
     """Make the default spans in ``spans_dir`` (see module doc) and say where they came from.
-    ``fabric``: loopback (default) or a shaped link (``kvtune.local.fabric``) that the probe and
-    the pair both run across."""
+    ``regime``: the lab regime (``kvtune.local.regime``: the engines' caches and the traffic's
+    shape; ``conversations`` overrides its count). ``fabric``: loopback (default) or a shaped link
+    (``kvtune.local.fabric``) that the probe and the pair both run across."""
+    lab = lab_regime(regime)
     out = Path(spans_dir)
     out.mkdir(parents=True, exist_ok=True)
     with contextlib.ExitStack() as stack:
         link = (stack.enter_context(ShapedLink(fabric.rate_mbit))
                 if fabric.rate_mbit is not None else None)
-        return _make(out, seed=seed, use_vllm=use_vllm, probe_tokens=probe_tokens,
-                     first_prompt_tokens=first_prompt_tokens,
-                     conversations_per_size=conversations_per_size, turns=turns,
-                     link=link, fabric=fabric.name)
+        return _make(out, seed=seed, use_vllm=use_vllm, probe_tokens=probe_tokens, regime=lab,
+                     conversations=conversations or lab.conversations, link=link,
+                     fabric=fabric.name)
 
 
 def _make(out: Path, *, seed: int, use_vllm: bool, probe_tokens: Sequence[int],
-          first_prompt_tokens: Sequence[int], conversations_per_size: int, turns: int,
-          link: ShapedLink | None, fabric: str) -> DefaultSpans:
+          regime: LabRegime, conversations: int, link: ShapedLink | None,
+          fabric: str) -> DefaultSpans:
     probe = _probe(out / "probe", fabric, probe_tokens, seed, link)
-    details: dict[str, Any] = {"probe_floor_ms": getattr(probe, "floor_ms", None)}
+    details: dict[str, Any] = {"probe_floor_ms": getattr(probe, "floor_ms", None),
+                               "regime": regime.name}
     on = f" over {fabric}" if link is not None else ""
     if use_vllm:
         try:
-            stats = _pair(out, seed=seed, first_prompt_tokens=first_prompt_tokens,
-                          conversations_per_size=conversations_per_size, turns=turns,
-                          link=link)
+            stats = _pair(out, seed=seed, regime=regime, conversations=conversations, link=link)
             details.update(stats)
             segments = []
             for k, mode in enumerate(SEGMENT_MODES, start=1):
                 try:
-                    sst = _pair(out, seed=seed + k, first_prompt_tokens=first_prompt_tokens,
-                                conversations_per_size=SEGMENT_CONVERSATIONS_PER_SIZE,
-                                turns=turns, link=link, mode=mode)
+                    sst = _pair(out, seed=seed + k, regime=regime, conversations=conversations,
+                                link=link, mode=mode)
                     details[f"{mode}_segment"] = {key: sst[key] for key in (
                         "requests_ok", "requests_failed", "conversations")}
                     segments.append(f"{sst['requests_ok']} in {mode}")
@@ -125,14 +121,15 @@ def _make(out: Path, *, seed: int, use_vllm: bool, probe_tokens: Sequence[int],
             push = f", then the same traffic again: {', '.join(segments)}" if segments else ""
             return DefaultSpans(out, "vllm-pair",
                                 f"probe (NIXL, 2 processes) + local vLLM pair (bidirectional, kvtune "
-                                f"connectors){on} through the kvtune router: {stats['requests_ok']} "
-                                f"requests in {stats['conversations']} conversations{push}", fabric,
-                                details, tiny_model_dir())
+                                f"connectors){on} through the kvtune router, lab regime "
+                                f"{regime.name}: {stats['requests_ok']} requests in "
+                                f"{stats['conversations']} conversations{push}", fabric,
+                                details, tiny_model_dir(), regime.name)
         except Exception as exc:  # any failure of the pair falls back to the sim
             log.warning("the local vLLM pair could not produce spans (%s: %s); the simulator "
                         "stands in", type(exc).__name__, exc)
             details["pair_error"] = f"{type(exc).__name__}: {exc}"
-    n = _sim(out / "sim", probe, seed)
+    n = _sim(out / "sim", probe, seed, regime)
     details["sim_spans"] = n
     return DefaultSpans(out, "probe+sim",
                         "probe (NIXL, 2 processes) + simulator calibrated with the probe's fit "
@@ -165,7 +162,7 @@ def _probe(spans_dir: Path, fabric: str, tokens: Sequence[int], seed: int,
     return run_and_write(cfg)  # initiator spans too, not only the target's
 
 
-def _sim(spans_dir: Path, probe: Any, seed: int) -> int:
+def _sim(spans_dir: Path, probe: Any, seed: int, regime: LabRegime) -> int:
     from dataclasses import replace
 
     from kvtune.sim import Dist, ReuseSettings, WorkloadSpec, from_fit, simulate
@@ -188,19 +185,18 @@ def _sim(spans_dir: Path, probe: Any, seed: int) -> int:
                   reuse=ReuseSettings(ttl_s=30.0, threshold_tokens=RECOMPUTE_THRESHOLD),
                   workload=WorkloadSpec(qps=0.5, duration_s=120.0,
                                         prompt_tokens=Dist("uniform", (64.0, 768.0)),
-                                        output_tokens=Dist.fixed(MAX_TOKENS),
-                                        turns=Dist.fixed(TURNS),
-                                        new_tokens=Dist.fixed(NEW_TOKENS_PER_TURN),
-                                        think_time_s=Dist("uniform", THINK_TIME_S)))
+                                        output_tokens=Dist.fixed(regime.max_tokens),
+                                        turns=Dist.fixed(regime.turns),
+                                        new_tokens=Dist.fixed(regime.new_tokens_per_turn),
+                                        think_time_s=Dist("uniform", (0.5, 3.0))))
     result = simulate(cfg, progress=True)
     return result.write_spans(spans_dir / "sim.jsonl")
 
 
-def _pair(out: Path, *, seed: int, first_prompt_tokens: Sequence[int],
-          conversations_per_size: int, turns: int,
+def _pair(out: Path, *, seed: int, regime: LabRegime, conversations: int,
           link: ShapedLink | None = None, mode: str = "bidirectional") -> dict[str, Any]:
-    """Run the workload on a fresh pair in ``mode``; spans under ``out/pair`` and ``out/router``
-    (``out/pair-MODE``, ``out/router-MODE`` for a mode other than bidirectional)."""
+    """Run the regime's workload on a fresh pair in ``mode``; spans under ``out/pair`` and
+    ``out/router`` (``out/pair-MODE``, ``out/router-MODE`` for a mode other than bidirectional)."""
     from kvtune import spans as S
     from kvtune.local.pair import SPAN_EXPORT_DELAY_MS, LocalPair
     from kvtune.router import InstanceConfig, RouterConfig, RouterProcess
@@ -210,7 +206,7 @@ def _pair(out: Path, *, seed: int, first_prompt_tokens: Sequence[int],
     threshold = RECOMPUTE_THRESHOLD if mode == S.Mode.BIDIRECTIONAL.value else None
     with LocalPair(mode, connector="kvtune", workdir=workdir / "pair",
                    spans_dir=out / f"pair{tag}", recompute_threshold=threshold,
-                   fabric=link) as pair:
+                   fabric=link, regime=regime) as pair:
         cfg = RouterConfig(prefill=(InstanceConfig(pair.prefill_url,
                                                    engine_id=pair.prefill_engine_id,
                                                    kv_port=pair.prefill_side_channel_port),),
@@ -220,52 +216,55 @@ def _pair(out: Path, *, seed: int, first_prompt_tokens: Sequence[int],
                            decode_timeout_s=REQUEST_TIMEOUT_S,
                            telemetry={"json_path": str(out / f"router{tag}")})
         with RouterProcess(cfg, workdir=workdir / "router") as router:
-            stats = drive(router.url, workload_plans(
-                len(first_prompt_tokens) * conversations_per_size, seed=seed,
-                first_prompt_tokens=first_prompt_tokens, turns=turns))
+            stats = drive(router.url, workload_plans(regime, conversations, seed=seed), regime)
         time.sleep(2 * SPAN_EXPORT_DELAY_MS / 1000)  # the last requests' spans, before the stop
         return stats
 
 
-def workload_plans(n_conversations: int = len(FIRST_PROMPT_TOKENS) * CONVERSATIONS_PER_SIZE, *,
-                   seed: int = 0, first_prompt_tokens: Sequence[int] = FIRST_PROMPT_TOKENS,
-                   turns: int = TURNS) -> list[Any]:
-    """The embedded default's traffic as replayable plans (``kvtune.local.workload``), for
-    ``kvtune verify --workload tune``: conversations cycling through :data:`FIRST_PROMPT_TOKENS`,
-    :data:`TURNS` turns of :data:`NEW_TOKENS_PER_TURN` new tokens and :data:`MAX_TOKENS` output,
-    :data:`THINK_TIME_S` gaps; all start at once and :data:`PARALLEL_CONVERSATIONS` run at a
-    time (pass it as ``max_concurrency``), as :func:`drive` runs them (tune's own traffic and
-    ``kvtune verify --workload tune`` are one flow)."""
+def workload_plans(regime: LabRegime | str = DEFAULT_REGIME, n_conversations: int | None = None,
+                   *, seed: int = 0) -> list[Any]:
+    """The embedded default's traffic in ``regime`` as replayable plans
+    (``kvtune.local.workload``), for ``kvtune verify --workload tune``: conversations cycling
+    through the regime's first-prompt lengths, its turns of ``new_tokens_per_turn`` new tokens
+    and ``max_tokens`` output, its think-time gaps; driven as :func:`drive` drives them (tune's
+    own traffic and ``kvtune verify --workload tune`` are one flow)."""
     from kvtune.errors import ConfigError
     from kvtune.local.workload import ConversationPlan, TurnPlan
 
-    if n_conversations < 1:
-        raise ConfigError(f"workload_plans: n_conversations expected >= 1, got {n_conversations}")
+    lab = lab_regime(regime)
+    n = lab.conversations if n_conversations is None else n_conversations
+    if n < 1:
+        raise ConfigError(f"workload_plans: n_conversations expected >= 1, got {n}")
     rng = random.Random(f"tune-workload-{seed}")
 
-    def tokens(n: int) -> tuple[int, ...]:
-        return tuple(rng.randrange(50, 1950) for _ in range(n))
+    def tokens(k: int) -> tuple[int, ...]:
+        return tuple(rng.randrange(MIN_TOKEN_ID, MAX_TOKEN_ID) for _ in range(k))
 
     plans = []
-    for i in range(n_conversations):
-        first = first_prompt_tokens[i % len(first_prompt_tokens)]
-        conv = tuple(TurnPlan(turn=k, user_tokens=tokens(first if k == 1 else NEW_TOKENS_PER_TURN),
-                              max_tokens=MAX_TOKENS,
-                              think_time_s=0.0 if k == 1 else rng.uniform(*THINK_TIME_S))
-                     for k in range(1, turns + 1))
+    for i in range(n):
+        first = lab.first_prompt_tokens[i % len(lab.first_prompt_tokens)]
+        conv = tuple(TurnPlan(turn=k,
+                              user_tokens=tokens(first if k == 1 else lab.new_tokens_per_turn),
+                              max_tokens=lab.max_tokens,
+                              think_time_s=0.0 if k == 1 else rng.uniform(*lab.think_time_s))
+                     for k in range(1, lab.turns + 1))
         plans.append(ConversationPlan(conversation_id=f"tune-{seed}-{first}-{i:03d}", start_s=0.0,
                                       system_tokens=(), turns=conv))
     return plans
 
 
-def drive(url: str, plans: Sequence[Any]) -> dict[str, Any]:
-    """Send ``plans`` through the router at ``url`` (:data:`PARALLEL_CONVERSATIONS` at a time,
-    non-streamed, as ``kvtune verify`` replays them) and count the outcome."""
+def drive(url: str, plans: Sequence[Any], regime: LabRegime | str = DEFAULT_REGIME
+          ) -> dict[str, Any]:
+    """Send ``plans`` through the router at ``url`` as ``regime`` drives its traffic (its
+    conversations in flight, or turn by turn; non-streamed, as ``kvtune verify`` replays them)
+    and count the outcome."""
     from kvtune.errors import KvtuneError
     from kvtune.local.workload import HttpTarget, run_workload
 
+    lab = lab_regime(regime)
     results = run_workload(plans, HttpTarget(url, stream=False, timeout_s=REQUEST_TIMEOUT_S),
-                           max_concurrency=PARALLEL_CONVERSATIONS)
+                           max_concurrency=lab.parallel_conversations,
+                           turn_major=lab.turn_major)
     ok = [r for r in results if r.ok]
     stats: dict[str, Any] = {
         "requests_ok": len(ok), "requests_failed": len(results) - len(ok),

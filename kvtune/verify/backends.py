@@ -8,6 +8,7 @@ yields their :class:`Upstreams` (what the router for that configuration forwards
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -55,6 +56,9 @@ class LocalPairBackend:
     shaped_rate_mbit: float | None = None
     """Run each pair across a shaped link at this rate (``kvtune.local.fabric.ShapedLink``, as
     ``kvtune tune --fabric shaped:RATE`` does); None: loopback."""
+    regime: str | None = None
+    """The lab regime the pairs run in, for the description (``pair_kwargs['regime']`` builds
+    it)."""
 
     def __post_init__(self) -> None:
         if not self.description:
@@ -62,7 +66,14 @@ class LocalPairBackend:
             if self.shaped_rate_mbit is not None:
                 from kvtune.local.fabric import FabricSpec
                 on = f" on {FabricSpec(self.shaped_rate_mbit).name}"
-            self.description = f"local vLLM pair{on} (restarted per configuration)"
+            lab = f", lab regime {self.regime}" if self.regime else ""
+            self.description = f"local vLLM pair{on}{lab} (restarted per configuration)"
+
+    def with_regime(self, regime: Any) -> LocalPairBackend:
+        """This backend with its pairs in another lab regime (``kvtune.local.regime``)."""
+        name = getattr(regime, "name", str(regime))
+        return dataclasses.replace(self, pair_kwargs={**self.pair_kwargs, "regime": regime},
+                                   regime=name, description="")
 
     @contextlib.contextmanager
     def deploy(self, config: VerifyConfig, workdir: Path) -> Iterator[Upstreams]:

@@ -214,6 +214,43 @@ def _float_or_none(v: Any, where: Any, field: str) -> float | None:
     return float(v)
 
 
+def effective_settings(config: VerifyConfig) -> tuple[str, int | None, float | None]:
+    """(mode, threshold, TTL) as the engines run them: vLLM's defaults in place of None, and
+    neither value in a mode that does not read them."""
+    from kvtune.vllm_pd import (DEFAULT_DECODER_KV_BLOCKS_TTL_S,
+                                DEFAULT_KV_RECOMPUTE_THRESHOLD_TOKENS)
+
+    if config.mode != "bidirectional":
+        return config.mode, None, None
+    t = config.recompute_threshold_tokens
+    ttl = config.ttl_s
+    return (config.mode, DEFAULT_KV_RECOMPUTE_THRESHOLD_TOKENS if t is None else t,
+            float(DEFAULT_DECODER_KV_BLOCKS_TTL_S if ttl is None else ttl))
+
+
+def same_settings(a: VerifyConfig, b: VerifyConfig) -> bool:
+    """Whether ``a`` and ``b`` run the engines the same way (two names for one configuration:
+    measuring one against the other verifies nothing)."""
+    return effective_settings(a) == effective_settings(b)
+
+
+RUNNER_UP: Final = "runner-up"
+
+
+def runner_up(recommendation: dict[str, Any], name: str = RUNNER_UP) -> VerifyConfig | None:
+    """The mode the recommendation ranks second (``recommendations.mode.range[1]``), at the
+    recommended threshold and TTL where it reads them; None when it names none."""
+    mode, t, ttl = _recommended("the recommendation's runner-up", recommendation)
+    rng = ((recommendation.get("recommendations") or {}).get("mode") or {}).get("range")
+    second = rng[1] if isinstance(rng, (list, tuple)) and len(rng) > 1 else None
+    if not isinstance(second, str) or second not in MODES or second == mode:
+        return None
+    bidi = second == "bidirectional"
+    return VerifyConfig(name, second, t if bidi else None, ttl if bidi else None,
+                        source=f"the runner-up mode of the recommendation ({second}"
+                               + (", recommended threshold and TTL)" if bidi else ")"))
+
+
 def per_mode(recommendation: dict[str, Any], have: list[VerifyConfig]) -> list[VerifyConfig]:
     """One configuration per mode the recommendation priced (pull, push, bidirectional at the
     recommended threshold and TTL, as its predictions assume), leaving out the modes ``have``

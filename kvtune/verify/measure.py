@@ -14,12 +14,16 @@ beside it; else (a cluster's own telemetry) the router's value, said so in ``ttf
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
+
+import pandas as pd
 
 from kvtune import spans as sc
 from kvtune.local import client
@@ -158,25 +162,55 @@ def router_request_facts(path: Path) -> dict[str, tuple[float | None, int | None
     return out
 
 
-def decode_first_step_ms(router_spans: Path, engine_spans: Path | None) -> dict[str, float]:
-    """Per client request id: TTFT to the decode's first step
-    (``kvtune.analysis.modes.first_step_ttft``: the router's ``kv.request`` began -> the decode's
-    ``kv.decode_start`` ended), ms. Empty when either side's spans are missing."""
+@dataclass(frozen=True)
+class EngineFacts:
+    """What the engines' spans say of each client request (by its id)."""
+
+    first_step_ms: dict[str, float]
+    """TTFT to the decode's first step (``kvtune.analysis.modes.first_step_ttft``: the router's
+    ``kv.request`` began -> the decode's ``kv.decode_start`` ended), ms."""
+    prefill_cached_tokens: dict[str, int]
+    """``kv.cached_tokens`` of the request's ``kv.prefill`` span: prompt tokens the prefill did
+    not compute (its own prefix cache's hits plus any history pulled back)."""
+
+
+def engine_facts(router_spans: Path, engine_spans: Path | None) -> EngineFacts:
+    """The engines' facts per client request; empty when either side's spans are missing."""
     if engine_spans is None or not router_spans.exists() or not engine_spans.is_dir() \
             or not any(engine_spans.glob("*.jsonl")):
-        return {}
-    from kvtune.analysis.modes import first_step_ttft
+        return EngineFacts({}, {})
+    from kvtune.analysis.modes import first_step_ttft, spans_named
     from kvtune.traces import load
 
-    t = first_step_ttft(load([str(router_spans), str(engine_spans)], correct_clocks=False,
-                             progress=False))
-    return {rid: float(v) for rid, v in zip(t["client_request_id"], t["ttft_ms"])
-            if isinstance(rid, str)}
+    df = load([str(router_spans), str(engine_spans)], correct_clocks=False, progress=False)
+    t = first_step_ttft(df)
+    first = {rid: float(v) for rid, v in zip(t["client_request_id"], t["ttft_ms"])
+             if isinstance(rid, str)}
+    cached: dict[str, int] = {}
+    if not df.empty and sc.CACHED_TOKENS in df.columns and sc.ROLE in df.columns:
+        by_trace = dict(zip(t["trace_id"], t["client_request_id"]))
+        req = spans_named(df, sc.SpanName.REQUEST.value)
+        for tid, attrs in zip(req["trace_id"], req["attrs"]):
+            rid = attrs.get(sc.CLIENT_REQUEST_ID) if isinstance(attrs, dict) else None
+            if isinstance(rid, str):
+                by_trace.setdefault(tid, rid)
+        pre = spans_named(df, sc.SpanName.PREFILL.value, sc.Role.PREFILL.value)
+        for tid, c in zip(pre["trace_id"], pre[sc.CACHED_TOKENS]):
+            rid = by_trace.get(tid)
+            if isinstance(rid, str) and pd.notna(c):
+                cached[rid] = int(c)
+    return EngineFacts(first, cached)
+
+
+def decode_first_step_ms(router_spans: Path, engine_spans: Path | None) -> dict[str, float]:
+    """Per client request id: TTFT to the decode's first step, ms (:class:`EngineFacts`)."""
+    return engine_facts(router_spans, engine_spans).first_step_ms
 
 
 def measurements(results: Sequence[RequestResult],
                  facts: Mapping[str, tuple[float | None, int | None]],
-                 first_step: Mapping[str, float] | None = None
+                 first_step: Mapping[str, float] | None = None, *, start: int = 0,
+                 prefill_cached: Mapping[str, int] | None = None
                  ) -> tuple[tuple[RequestMeasurement, ...], str]:
     """Per request: the client's view, with its TTFT and the history the router offered back
     (``facts``: :func:`router_request_facts`); and the TTFT basis. TTFT is measured to the
@@ -200,14 +234,15 @@ def measurements(results: Sequence[RequestResult],
             conversation_id=r.conversation_id, turn=r.turn, prompt_tokens=r.prompt_tokens,
             ttft_ms=(first_step.get(r.request_id) if decode and r.ok else router),
             latency_ms=r.latency_ms, ok=r.ok, error=r.error, offered_tokens=offered,
-            router_ttft_ms=router if decode else None))
+            router_ttft_ms=router if decode else None, start=start,
+            prefill_cached_tokens=(prefill_cached or {}).get(r.request_id)))
     return tuple(out), TTFT_BASIS_DECODE if decode else TTFT_BASIS_ROUTER
 
 
 def summarize(config: VerifyConfig, requests: tuple[RequestMeasurement, ...], *,
               reused_tokens: int | None, memory: Sequence[MemorySample],
               blocks_total: int | None, wall_s: float, seed: int = 0,
-              ttft_basis: str = TTFT_BASIS_ROUTER) -> ConfigResult:
+              ttft_basis: str = TTFT_BASIS_ROUTER, starts: int = 1) -> ConfigResult:
     """The per-configuration statistics of measured requests (pure)."""
     ttfts = [r.ttft_ms for r in requests if r.ok and r.ttft_ms is not None]
     enough = len(ttfts) >= stats.MIN_SAMPLES
@@ -224,34 +259,110 @@ def summarize(config: VerifyConfig, requests: tuple[RequestMeasurement, ...], *,
         turn2plus_prompt_tokens=later, reused_tokens=reused_tokens, reuse_captured_share=share,
         memory=tuple(memory), decode_kv_usage_mean_pct=sum(usage) / len(usage) if usage else None,
         decode_kv_usage_max_pct=max(usage) if usage else None, decode_kv_blocks_total=blocks_total,
-        wall_s=wall_s, ttft_basis=ttft_basis)
+        wall_s=wall_s, ttft_basis=ttft_basis, starts=starts)
+
+
+def combine(parts: Sequence[ConfigResult], *, seed: int = 0) -> ConfigResult:
+    """One configuration measured over several starts of its deployment, as one result: the
+    requests of every start (each tagged with its start), the prefill's pulled tokens and the
+    memory samples added up (samples on one clock, start after start). Where one start fell back
+    to the router's TTFT, every start's request is read on that basis."""
+    if not parts:
+        raise ValueError("combine: expected at least one start's result")
+    if len(parts) == 1:
+        return parts[0]
+    basis = (TTFT_BASIS_DECODE if all(p.ttft_basis == TTFT_BASIS_DECODE for p in parts)
+             else TTFT_BASIS_ROUTER)
+    requests, memory, t_off = [], [], 0.0
+    for p in parts:
+        for r in p.requests:
+            if basis != p.ttft_basis:
+                r = dataclasses.replace(r, ttft_ms=r.router_ttft_ms, router_ttft_ms=None)
+            requests.append(r)
+        memory += [dataclasses.replace(m, t_s=round(m.t_s + t_off, 3)) for m in p.memory]
+        t_off += p.wall_s
+    reused = (None if any(p.reused_tokens is None for p in parts)
+              else sum(p.reused_tokens for p in parts if p.reused_tokens is not None))
+    blocks = [p.decode_kv_blocks_total for p in parts if p.decode_kv_blocks_total is not None]
+    return summarize(parts[0].config, tuple(requests), reused_tokens=reused, memory=memory,
+                     blocks_total=max(blocks) if blocks else None,
+                     wall_s=sum(p.wall_s for p in parts), seed=seed, ttft_basis=basis,
+                     starts=len(parts))
+
+
+More = Callable[[Sequence[RequestResult]], Sequence[ConversationPlan]]
+"""Given a phase's results so far, further conversations for it (none: the phase is done)."""
+
+
+@dataclass(frozen=True)
+class Phase:
+    """One workload run on a deployment, through a router of its own (its spans in their own
+    file), measured on its own."""
+
+    name: str
+    plans: Sequence[ConversationPlan]
+    config: VerifyConfig | None = None
+    """What the result is labelled (None: the deployment's configuration)."""
+    time_scale: float = 1.0
+    max_concurrency: int | None = None
+    turn_major: bool = False
+    more: More | None = None
 
 
 def measure_config(config: VerifyConfig, backend: Backend, plans: Sequence[ConversationPlan],
                    workdir: Path, *, time_scale: float = 1.0, max_concurrency: int | None = None,
-                   progress: bool = True) -> ConfigResult:
-    """Deploy ``config``, replay ``plans`` through a router for it, measure, tear down."""
+                   turn_major: bool = False, progress: bool = True, start: int = 0,
+                   more: More | None = None) -> ConfigResult:
+    """Deploy ``config``, replay ``plans`` through a router for it, measure, tear down; the
+    requests are tagged as served by the deployment's ``start``-th start. ``more`` (given the
+    results so far) names further conversations for the same deployment, until it names none."""
+    phase = Phase("replay", plans, time_scale=time_scale, max_concurrency=max_concurrency,
+                  turn_major=turn_major, more=more)
+    return measure_deployment(config, backend, [phase], workdir, progress=progress,
+                              start=start)[0]
+
+
+def measure_deployment(config: VerifyConfig, backend: Backend, phases: Sequence[Phase],
+                       workdir: Path, *, progress: bool = True,
+                       start: int = 0) -> list[ConfigResult]:
+    """Deploy ``config`` once and run each phase on it in turn (a fresh router each, its spans
+    in ``workdir``: the first phase's in :data:`ROUTER_SPANS_FILE`, the others' in
+    ``NAME-router-spans.jsonl``); one result per phase, tagged with the deployment's start."""
     from kvtune.router.process import RouterProcess
 
     workdir.mkdir(parents=True, exist_ok=True)
-    spans_path = workdir / ROUTER_SPANS_FILE
-    spans_path.unlink(missing_ok=True)
-    t0 = time.monotonic()
+    paths = [workdir / (ROUTER_SPANS_FILE if i == 0 else f"{ph.name}-{ROUTER_SPANS_FILE}")
+             for i, ph in enumerate(phases)]
+    for p in paths:
+        p.unlink(missing_ok=True)
+    runs = []
     with backend.deploy(config, workdir) as ups:
         prefill_urls = [i.url for i in ups.prefill]
-        before = sum_sources(prefill_urls)
-        with RouterProcess(router_config(config, ups, spans_path),
-                           workdir=workdir / "router") as router, \
-                MemorySampler([i.url for i in ups.decode]) as sampler:
-            results = run_workload(plans, HttpTarget(router.url, stream=False),
-                                   time_scale=time_scale, max_concurrency=max_concurrency,
-                                   progress=progress)
-            time.sleep(COUNTER_SETTLE_S)  # also the pair's span exports (every 0.5 s)
-        after = sum_sources(prefill_urls) if before is not None else None
-    reused = ((after - before).external_kv_transfer_tokens
-              if after is not None and before is not None else None)
-    requests, basis = measurements(results, router_request_facts(spans_path),
-                                   decode_first_step_ms(spans_path, ups.spans_dir))
-    return summarize(config, requests, reused_tokens=reused, memory=sampler.samples,
-                     blocks_total=sampler.blocks_total, wall_s=time.monotonic() - t0,
-                     ttft_basis=basis)
+        for ph, spans_path in zip(phases, paths):
+            t0 = time.monotonic()
+            before = sum_sources(prefill_urls)
+            with RouterProcess(router_config(config, ups, spans_path),
+                               workdir=workdir / ("router" if spans_path == paths[0]
+                                                  else f"router-{ph.name}")) as router, \
+                    MemorySampler([i.url for i in ups.decode]) as sampler:
+                target = HttpTarget(router.url, stream=False)
+                kw = {"time_scale": ph.time_scale, "max_concurrency": ph.max_concurrency,
+                      "turn_major": ph.turn_major, "progress": progress}
+                results = run_workload(ph.plans, target, **kw)
+                while ph.more is not None and (extra := ph.more(results)):
+                    results += run_workload(extra, target, **kw)
+                time.sleep(COUNTER_SETTLE_S)  # also the pair's span exports (every 0.5 s)
+            after = sum_sources(prefill_urls) if before is not None else None
+            reused = ((after - before).external_kv_transfer_tokens
+                      if after is not None and before is not None else None)
+            runs.append((ph, spans_path, results, reused, sampler, time.monotonic() - t0))
+    out = []
+    for ph, spans_path, results, reused, sampler, wall in runs:
+        eng = engine_facts(spans_path, ups.spans_dir)
+        requests, basis = measurements(results, router_request_facts(spans_path),
+                                       eng.first_step_ms, start=start,
+                                       prefill_cached=eng.prefill_cached_tokens)
+        out.append(summarize(ph.config or config, requests, reused_tokens=reused,
+                             memory=sampler.samples, blocks_total=sampler.blocks_total,
+                             wall_s=wall, ttft_basis=basis))
+    return out

@@ -47,6 +47,33 @@ def ttft_basis_note(result: VerifyResult) -> str:
                                 for c in result.configs) + "."
 
 
+def crossover_text(result: VerifyResult) -> str:
+    """The measured crossover, its place against the recommended range, and what was left out."""
+    from kvtune.verify.crossover import statement
+
+    cx = result.crossover
+    if cx is None:
+        return ""
+    inside = {True: "inside", False: "outside", None: "not comparable with"}[cx.inside_range]
+    rng = ("none" if cx.recommended_range_tokens is None else
+           f"[{cx.recommended_range_tokens[0]:g}, {cx.recommended_range_tokens[1]:g}] tokens")
+    out = (f"Measured crossover: {statement(cx.estimate)}; {inside} the recommended range {rng} "
+           f"(swept {', '.join(str(n) for n in cx.estimate.lengths_tokens)} tokens: one block "
+           f"to the workload's longest history).")
+    if cx.deployment:
+        out += f" The sweep ran {cx.deployment}."
+    if cx.local_hits:
+        out += (f" {cx.local_hits} reuse-off turns left out: the prefill's own cache held a "
+                f"block or more of their history.")
+    if cx.not_offered:
+        out += (f" {cx.not_offered} reuse-on turns left out: the router offered no history "
+                f"(expired before the turn came).")
+    if cx.unresolved_tokens:
+        out += (f" Not resolved at the repeats allowed: "
+                f"{', '.join(str(n) for n in cx.unresolved_tokens)} tokens.")
+    return out
+
+
 def render(result: VerifyResult) -> str:
     import plotly.io as pio
     from plotly.offline import get_plotlyjs
@@ -63,15 +90,8 @@ def render(result: VerifyResult) -> str:
              "</p>", f'<section id="verdicts">{verdicts}</section>', table]
     figs = [("comparison", figures.comparison(result))]
     if result.crossover is not None:
-        cx = result.crossover
-        est = cx.estimate
-        where = ("n/a" if est.tokens is None else f"{est.tokens:.0f} tokens") + (
-            "" if est.low_tokens is None else f", 95% interval [{est.low_tokens:.0f}, "
-                                              f"{est.high_tokens:.0f}]")
-        inside = {True: "inside", False: "outside", None: "not comparable with"}[cx.inside_range]
-        parts.append(f'<p id="crossover-text">Measured crossover: {e(where)} ({e(est.side)}); '
-                     f'{inside} the recommended range {e(str(cx.recommended_range_tokens))}.</p>')
-        figs.append(("crossover", figures.crossover(cx)))
+        parts.append(f'<p id="crossover-text">{e(crossover_text(result))}</p>')
+        figs.append(("crossover", figures.crossover(result.crossover)))
     if result.predictions is not None:
         items = "".join(f"<li>{e(line)}</li>" for line in result.predictions.lines())
         parts.append(f'<section id="predictions"><h2>Predictions against measurements</h2>'

@@ -4,8 +4,9 @@ predicted share of reuse captured, set against what ``kvtune verify`` measured.
 - **Per mode**: each measured configuration whose mode the recommendation priced (pull, push, or
   bidirectional at the recommended threshold and TTL: the settings the prediction assumed) gives
   measured p50 / predicted p50 - 1; within :data:`P50_TOLERANCE_SHARE` counts as held.
-- **Ranking**: the mode kvtune ranks first against the measured mode with the lowest p50 (one
-  configuration per mode, the first measured).
+- **Ranking**: every pair of measured modes whose measured p50 intervals do not overlap must be
+  ranked by the predictions in the measured order (one configuration per mode, the first
+  measured); the mode kvtune ranks first is shown beside the measured fastest.
 - **Reuse captured**: for the bidirectional configuration at the recommended settings, the history
   the router offered back from the decode that still held it (``kv.reuse.remote_tokens`` of its
   request spans) over the history of the turns that could be reused (turns after the first whose
@@ -29,8 +30,8 @@ if TYPE_CHECKING:  # results.py holds a PredictionCheck: no run-time import back
     from kvtune.local.workload import ConversationPlan
     from kvtune.verify.results import ConfigResult
 
-P50_TOLERANCE_SHARE: Final = 0.25
-"""A mode's measured p50 within 25% of its prediction counts as held."""
+P50_TOLERANCE_SHARE: Final = 0.10
+"""A mode's measured p50 within 10% of its prediction counts as held."""
 REUSE_TOLERANCE_POINTS: Final = 10.0
 """Measured share of reuse captured within 10 percentage points of the prediction."""
 
@@ -85,7 +86,11 @@ class PredictionCheck:
     measured_best: str | None
     """Among the measured modes, the one with the lowest p50."""
     ranking_held: bool | None
+    """Whether every pair of measured modes told apart (intervals not overlapping) is predicted
+    in the measured order (None: no such pair)."""
     reuse: ReusePrediction | None
+    ranked_pairs: tuple[tuple[str, str, bool], ...] = ()
+    """(measured faster, measured slower, predicted in that order) per pair told apart."""
 
     def lines(self) -> list[str]:
         """Plain-text summary (CLI, page)."""
@@ -99,10 +104,13 @@ class PredictionCheck:
             out.append(f"{m.mode} ({m.config}): predicted p50 {m.predicted_p50_ms:.1f} ms "
                        f"[{m.model}]{hop}, {meas}")
         if self.ranked_first is not None:
+            pairs = "; ".join(f"{a} < {b}: {'predicted so' if ok else 'predicted the other way'}"
+                              for a, b, ok in self.ranked_pairs)
             out.append(f"kvtune ranks {self.ranked_first} first; lowest measured p50: "
-                       f"{self.measured_best or 'n/a'}"
+                       f"{self.measured_best or 'n/a'}; modes told apart by their measured "
+                       f"intervals: {pairs or 'none'}"
                        + ("" if self.ranking_held is None else
-                          f" ({'holds' if self.ranking_held else 'does not hold'})"))
+                          f" (ranking {'holds' if self.ranking_held else 'does not hold'})"))
         r = self.reuse
         if r is not None:
             meas = "not measured" if r.measured_share is None else (
@@ -145,9 +153,9 @@ def reusable_history(cfg: ConfigResult, plans: Sequence[ConversationPlan], *,
     new = {f"{p.conversation_id}#{t.turn}": len(t.user_tokens) for p in plans for t in p.turns}
     total, offered, seen = 0, 0, False
     for r in cfg.requests:
-        if r.turn <= 1 or not r.ok or r.key not in new:
+        if r.turn <= 1 or not r.ok or r.turn_key not in new:
             continue
-        history = r.prompt_tokens - new[r.key]
+        history = r.prompt_tokens - new[r.turn_key]
         if history >= threshold_tokens:
             total += history
             if r.offered_tokens is not None:
@@ -208,8 +216,8 @@ def check(recommendation: Mapping[str, Any], measured: Sequence[ConfigResult],
             best[mode] = value
     first = mode_item.get("value")
     measured_best = min(best, key=best.__getitem__) if best else None
-    ranking = (None if not isinstance(first, str) or len(best) < 2 or first not in best
-               else measured_best == first)
+    pairs = ranked_pairs(modes)
+    ranking = None if not pairs else all(ok for _, _, ok in pairs)
     reuse = None
     share = _get(ttl_item, "evidence", "captured_share")
     bidi = next((c for c in measured if c.config.mode == "bidirectional"
@@ -226,4 +234,17 @@ def check(recommendation: Mapping[str, Any], measured: Sequence[ConfigResult],
             held=None if pts is None else abs(pts) <= REUSE_TOLERANCE_POINTS)
     return PredictionCheck(P50_TOLERANCE_SHARE, REUSE_TOLERANCE_POINTS, tuple(modes),
                            first if isinstance(first, str) else None, measured_best, ranking,
-                           reuse)
+                           reuse, pairs)
+
+
+def ranked_pairs(modes: Sequence[ModePrediction]) -> tuple[tuple[str, str, bool], ...]:
+    """Per pair of measured modes whose p50 intervals do not overlap: (faster, slower, whether
+    the predictions put them in that order)."""
+    got = [m for m in modes if m.measured_p50_ms is not None and m.measured_p50_ci_ms]
+    out = []
+    for i, a in enumerate(got):
+        for b in got[i + 1:]:
+            fast, slow = (a, b) if a.measured_p50_ms < b.measured_p50_ms else (b, a)
+            if fast.measured_p50_ci_ms[1] < slow.measured_p50_ci_ms[0]:
+                out.append((fast.mode, slow.mode, fast.predicted_p50_ms < slow.predicted_p50_ms))
+    return tuple(out)

@@ -47,11 +47,22 @@ class RequestMeasurement:
     router_ttft_ms: float | None = None
     """The router's ``kv.ttft_ms`` (non-streamed: the prefill's answer), beside ``ttft_ms`` when
     that is measured to the decode's first step."""
+    prefill_cached_tokens: int | None = None
+    """Prompt tokens the prefill did not compute (``kv.cached_tokens`` of its ``kv.prefill``
+    span: its own prefix cache's hits plus any history pulled back; None: not traced)."""
+    start: int = 0
+    """Which start of the configuration's deployment served it (0, 1, ...: each configuration
+    is measured over one or more starts, in alternating order with the others)."""
+
+    @property
+    def turn_key(self) -> str:
+        """The turn of the workload (the same in every start)."""
+        return f"{self.conversation_id}#{self.turn}"
 
     @property
     def key(self) -> str:
-        """Matches the same request under another configuration."""
-        return f"{self.conversation_id}#{self.turn}"
+        """Matches the same request under another configuration, in the same start."""
+        return self.turn_key if self.start == 0 else f"{self.turn_key}@{self.start}"
 
 
 @dataclass(frozen=True)
@@ -88,8 +99,14 @@ class ConfigResult:
     def n_failed(self) -> int:
         return sum(not r.ok for r in self.requests)
 
+    starts: int = 1
+    """Starts of the deployment the requests came from."""
+
     def ttft_by_key(self) -> dict[str, float]:
         return {r.key: r.ttft_ms for r in self.requests if r.ok and r.ttft_ms is not None}
+
+    def start_by_key(self) -> dict[str, int]:
+        return {r.key: r.start for r in self.requests}
 
 
 @dataclass(frozen=True)
@@ -110,6 +127,9 @@ class CrossoverPoint:
     ttft_ms: float
     offered_tokens: int | None = None
     """History the router offered back for this turn (None: not traced, or an older file)."""
+    prefill_cached_tokens: int | None = None
+    """Prompt tokens the prefill did not compute for this turn (its own cache's hits plus any
+    history pulled back; None: not traced, or an older file)."""
 
 
 @dataclass(frozen=True)
@@ -121,6 +141,15 @@ class CrossoverResult:
     predicted_break_even_tokens: float | None
     inside_range: bool | None
     """Whether the measured crossover lies inside the recommended range (None: not comparable)."""
+    local_hits: int = 0
+    """Reuse-off turns left out: the prefill's own cache held a block or more of the history
+    (it did not lack it, as the sweep needs)."""
+    not_offered: int = 0
+    """Reuse-on turns left out: the router offered no history (it had expired)."""
+    deployment: str = ""
+    """Where the sweep ran (a deployment of its own, or after a configuration's replay)."""
+    unresolved_tokens: tuple[int, ...] = ()
+    """Lengths whose difference stayed unresolved at the repeats allowed."""
 
 
 @dataclass(frozen=True)
@@ -224,7 +253,7 @@ def result_from_json(data: Any, *, source: str = "verify result") -> VerifyResul
                             diff_p50_ms=cd["estimate"].get("diff_p50_ms", ()))
         rng = cd.get("recommended_range_tokens")
         cross = _build(CrossoverResult, {
-            **cd, "estimate": est,
+            **cd, "estimate": est, "unresolved_tokens": tuple(cd.get("unresolved_tokens") or ()),
             "points": tuple(_build(CrossoverPoint, p, f"{w}.points")
                             for p in cd.get("points") or []),
             "recommended_range_tokens": tuple(rng) if isinstance(rng, list) else rng}, w)
@@ -242,6 +271,9 @@ def result_from_json(data: Any, *, source: str = "verify result") -> VerifyResul
             for m in pd_.get("modes") or [])
         reuse = (_build(ReusePrediction, pd_["reuse"], f"{w}.reuse")
                  if pd_.get("reuse") is not None else None)
-        preds = _build(PredictionCheck, {**pd_, "modes": modes, "reuse": reuse}, w)
+        pairs = tuple(tuple(x) for x in pd_.get("ranked_pairs") or ()
+                      if isinstance(x, list) and len(x) == 3)
+        preds = _build(PredictionCheck, {**pd_, "modes": modes, "reuse": reuse,
+                                         "ranked_pairs": pairs}, w)
     return _build(VerifyResult, {**data, "configs": tuple(configs), "comparisons": tuple(comps),
                                  "crossover": cross, "predictions": preds}, source)

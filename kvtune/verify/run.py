@@ -30,13 +30,21 @@ def run_verify(configs: Sequence[VerifyConfig], backend: Backend,
                workload: str = "workload", baseline: str | None = None,
                crossover: CrossoverSpec | None = None,
                recommendation: Mapping[str, Any] | None = None, time_scale: float = 1.0,
-               max_concurrency: int | None = None, progress: bool = True,
-               seed: int = 0) -> VerifyResult:
-    """Measure every configuration (in order) and, with ``crossover``, the crossover sweep; write
+               max_concurrency: int | None = None, turn_major: bool = False, starts: int = 1,
+               progress: bool = True, seed: int = 0) -> VerifyResult:
+    """Measure every configuration and, with ``crossover``, the crossover sweep; write
     ``verify.json`` and ``verify.html`` into ``out_dir`` and return the result. With a
     ``recommendation``, its predictions are checked against the measurements
-    (:mod:`kvtune.verify.predictions`)."""
+    (:mod:`kvtune.verify.predictions`).
+
+    ``starts``: each configuration is measured over this many starts of its deployment, the
+    configurations in alternating order (A B A B ...), so that one start's offset is neither
+    read as an effect nor confounded with the order; the paired comparison resamples the starts
+    (:func:`kvtune.verify.stats.paired_change`)."""
     from tqdm import tqdm
+
+    from kvtune.verify import crossover as X
+    from kvtune.verify.measure import Phase, combine, measure_deployment
 
     names = [c.name for c in configs]
     if len(set(names)) != len(names):
@@ -45,19 +53,39 @@ def run_verify(configs: Sequence[VerifyConfig], backend: Backend,
         raise ConfigError("verify: expected at least one configuration or a crossover sweep")
     if configs and not plans:
         raise ConfigError("verify: the workload has no conversations")
+    if starts < 1:
+        raise ConfigError(f"verify: starts expected >= 1, got {starts}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    measured: list[ConfigResult] = []
-    bar = tqdm(list(configs), desc="kvtune verify", unit="config", disable=not progress)
-    for cfg in bar:
-        bar.set_postfix_str(cfg.name)
-        from kvtune.verify.measure import measure_config
-        measured.append(measure_config(cfg, backend, plans, out / "runs" / cfg.name,
-                                       time_scale=time_scale, max_concurrency=max_concurrency,
-                                       progress=progress))
+    # The sweep rides on the last start of a configuration that pulls every swept history
+    # (one start fewer), else it gets a deployment of its own.
+    host = next((c for c in configs if crossover is not None
+                 and X.can_host(crossover, c, backend)), None)
+    parts: dict[str, list[ConfigResult]] = {c.name: [] for c in configs}
+    swept: ConfigResult | None = None
+    order = [(k, cfg) for k in range(starts) for cfg in configs]
+    bar = tqdm(order, desc="kvtune verify", unit="start", disable=not progress)
+    for k, cfg in bar:
+        bar.set_postfix_str(f"{cfg.name} (start {k + 1}/{starts})")
+        run_dir = out / "runs" / (cfg.name if starts == 1 else f"{cfg.name}-{k + 1}")
+        phases = [Phase("replay", plans, time_scale=time_scale, max_concurrency=max_concurrency,
+                        turn_major=turn_major)]
+        if cfg is host and k == starts - 1:
+            assert crossover is not None
+            phases.append(X.sweep_phase(crossover, host))
+        got = measure_deployment(cfg, backend, phases, run_dir, progress=progress, start=k)
+        parts[cfg.name].append(got[0])
+        if len(got) > 1:
+            swept = got[1]
     bar.close()
+    measured = [combine(parts[c.name], seed=seed) for c in configs]
     cross = None
-    if crossover is not None:
+    if crossover is not None and swept is not None and host is not None:
+        cross = X.analyze(X.points(swept), recommendation, seed=crossover.seed,
+                          deployment=f"after the replay on {host.name!r}'s last start "
+                                     f"(threshold {X.effective_settings(host)[1]}: every swept "
+                                     f"history offered back is pulled)")
+    elif crossover is not None:
         cross, _ = run_crossover(crossover, backend, out / "runs", recommendation=recommendation,
                                  progress=progress)
     result = assemble(measured, target=backend.description, workload=workload,

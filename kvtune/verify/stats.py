@@ -1,13 +1,21 @@
 """Statistics of a verification: quantiles with bootstrap intervals, the paired difference of two
 configurations' p50, and the measured recompute/pull crossover. Pure functions on numbers.
 
-Bootstraps resample requests with replacement (percentile intervals) from a seeded generator, so
-the same data give the same interval.
+Bootstraps resample with replacement from a seeded generator, so the same data give the same
+interval. A configuration measured once: the paired bootstrap resamples requests (percentile
+interval). Measured over several starts of its deployment (the configurations in alternating
+order): the workload is a fixed design replayed in every start, not a sample of requests, so the
+bootstrap resamples each request's measurements across the starts (the baseline's and the
+candidate's from the same start together) and the spread between the starts' own estimates is
+added to its variance (a start carries an offset of its own, which must not be read as an
+effect); the interval is then the estimate +- z standard errors. Every paired change carries the
+smallest effect the run could have detected (:func:`detectable_effect_pct`).
 """
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from statistics import NormalDist
 from typing import Final
 
 import numpy as np
@@ -19,6 +27,10 @@ N_BOOTSTRAP: Final = 2000
 CONFIDENCE: Final = 0.95
 MIN_SAMPLES: Final = 2
 """Fewer values than this give no interval (a single request says nothing about spread)."""
+POWER: Final = 0.8
+"""The power at which :func:`detectable_effect_pct` states the smallest detectable effect."""
+TEST_LEVEL: Final = 0.05
+"""Two-sided level of that test (the interval's ``1 - CONFIDENCE``)."""
 
 
 @dataclass(frozen=True)
@@ -37,7 +49,8 @@ class PairedChange:
     """How much faster ``candidate`` is than ``baseline`` at a quantile, over matched requests.
 
     ``faster_pct`` = 100 * (1 - candidate_q / baseline_q): positive when the candidate is faster;
-    the interval comes from resampling the matched pairs together (paired bootstrap).
+    the interval comes from resampling the matched pairs together (paired bootstrap; over several
+    starts, the starts too).
     """
 
     q: float
@@ -47,6 +60,30 @@ class PairedChange:
     n_pairs: int
     baseline_ms: float
     candidate_ms: float
+    detectable_pct: float | None = None
+    """The smallest true change (either way) this run would have found with
+    :data:`POWER` power at the :data:`TEST_LEVEL` level (:func:`detectable_effect_pct`); None in
+    files written before it was measured."""
+    starts: int = 1
+    """Deployment starts per configuration the pairs came from."""
+
+    @property
+    def excludes_zero(self) -> bool:
+        return self.low_pct > 0 or self.high_pct < 0
+
+
+def detectable_effect_pct(boot_pct: np.ndarray | None = None, *, se: float | None = None,
+                          power: float = POWER, level: float = TEST_LEVEL) -> float:
+    """The smallest effect a two-sided test at ``level`` finds with ``power``: (z(1 - level/2) +
+    z(power)) standard errors, the standard error being ``se`` or the spread of the bootstrap
+    draws ``boot_pct``."""
+    z = NormalDist()
+    if se is None:
+        if boot_pct is None:
+            raise AnalysisError("detectable_effect_pct: expected bootstrap draws or a standard "
+                                "error")
+        se = float(np.std(boot_pct, ddof=1))
+    return float((z.inv_cdf(1.0 - level / 2.0) + z.inv_cdf(power)) * se)
 
 
 def _clean(values: Sequence[float], what: str) -> np.ndarray:
@@ -79,10 +116,15 @@ def quantile_ci(values: Sequence[float], q: float, *, n_boot: int = N_BOOTSTRAP,
 
 
 def paired_change(baseline: Mapping[str, float], candidate: Mapping[str, float], q: float = 0.5,
-                  *, n_boot: int = N_BOOTSTRAP, confidence: float = CONFIDENCE,
-                  seed: int = 0) -> PairedChange:
+                  *, n_boot: int = N_BOOTSTRAP, confidence: float = CONFIDENCE, seed: int = 0,
+                  starts: Mapping[str, int] | None = None,
+                  units: Mapping[str, str] | None = None) -> PairedChange:
     """``candidate`` against ``baseline`` at quantile ``q`` over the keys both hold (the same
-    request of the same workload under each configuration)."""
+    request of the same workload under each configuration, in the same start).
+
+    ``starts`` (key -> the start it was measured in) and ``units`` (key -> the workload's request
+    it measures, the same in every start): with two or more starts, the replicated bootstrap of
+    the module doc; else requests are resampled."""
     keys = sorted(k for k in set(baseline) & set(candidate)
                   if np.isfinite(baseline[k]) and np.isfinite(candidate[k]))
     if len(keys) < MIN_SAMPLES:
@@ -93,13 +135,71 @@ def paired_change(baseline: Mapping[str, float], candidate: Mapping[str, float],
     bq, cq = float(np.quantile(b, q)), float(np.quantile(c, q))
     if bq <= 0:
         raise AnalysisError(f"paired_change: baseline quantile {q} is {bq} ms; expected > 0")
+    est = 100.0 * (1.0 - cq / bq)
     rng = np.random.default_rng(seed)
+    n_starts = len({int(starts.get(k, 0)) for k in keys}) if starts else 1
+    if n_starts >= 2:
+        lo, hi, se = _replicated_interval(keys, b, c, q, starts or {}, units or {}, est, rng,
+                                          n_boot=n_boot, confidence=confidence)
+        return PairedChange(q, est, lo, hi, len(keys), bq, cq,
+                            detectable_pct=detectable_effect_pct(se=se), starts=n_starts)
     idx = rng.integers(0, len(keys), size=(n_boot, len(keys)))
     bb = np.quantile(b[idx], q, axis=1)
     cb = np.quantile(c[idx], q, axis=1)
     pct = 100.0 * (1.0 - cb / np.where(bb > 0, bb, np.nan))
-    lo, hi = _bounds(pct[np.isfinite(pct)], confidence)
-    return PairedChange(q, 100.0 * (1.0 - cq / bq), lo, hi, len(keys), bq, cq)
+    pct = pct[np.isfinite(pct)]
+    lo, hi = _bounds(pct, confidence)
+    return PairedChange(q, est, lo, hi, len(keys), bq, cq,
+                        detectable_pct=detectable_effect_pct(pct))
+
+
+def _replicated_interval(keys: Sequence[str], b: np.ndarray, c: np.ndarray, q: float,
+                         starts: Mapping[str, int], units: Mapping[str, str], est: float,
+                         rng: np.random.Generator, *, n_boot: int,
+                         confidence: float) -> tuple[float, float, float]:
+    """(low, high, standard error) of the paired change over several starts: each request's
+    (baseline, candidate) pairs resampled across its starts, plus the variance between the
+    starts' own estimates over the number of starts."""
+    by_unit: dict[str, list[int]] = {}
+    for i, k in enumerate(keys):
+        by_unit.setdefault(units.get(k, k), []).append(i)
+    groups = list(by_unit.values())
+    sizes = np.array([len(g) for g in groups])
+    flat = np.concatenate([np.array(g) for g in groups])
+    offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+    pct = np.empty(n_boot)
+    for i in range(n_boot):
+        pick = flat[np.repeat(offsets, sizes) + (rng.random(sizes.sum())
+                                                 * np.repeat(sizes, sizes)).astype(int)]
+        bq, cq = np.quantile(b[pick], q), np.quantile(c[pick], q)
+        pct[i] = 100.0 * (1.0 - cq / bq) if bq > 0 else np.nan
+    pct = pct[np.isfinite(pct)]
+    per_start = []
+    for s in sorted({int(starts.get(k, 0)) for k in keys}):
+        sel = np.array([int(starts.get(k, 0)) == s for k in keys])
+        if sel.sum() >= MIN_SAMPLES and np.quantile(b[sel], q) > 0:
+            per_start.append(100.0 * (1.0 - np.quantile(c[sel], q) / np.quantile(b[sel], q)))
+    between = float(np.var(per_start, ddof=1)) / len(per_start) if len(per_start) > 1 else 0.0
+    se = float(np.sqrt(np.var(pct, ddof=1) + between))
+    z = NormalDist().inv_cdf(0.5 + confidence / 2.0)
+    return est - z * se, est + z * se, se
+
+
+def median_difference_ci(a: Sequence[float], b: Sequence[float], *, n_boot: int = N_BOOTSTRAP,
+                         confidence: float = CONFIDENCE, seed: int = 0
+                         ) -> tuple[float, float, float] | None:
+    """(median(a) - median(b), its percentile-bootstrap interval), each sample resampled on its
+    own; None when either has fewer than :data:`MIN_SAMPLES` finite values."""
+    x = np.asarray([float(v) for v in a if v is not None], dtype=float)
+    y = np.asarray([float(v) for v in b if v is not None], dtype=float)
+    x, y = x[np.isfinite(x)], y[np.isfinite(y)]
+    if x.size < MIN_SAMPLES or y.size < MIN_SAMPLES:
+        return None
+    rng = np.random.default_rng(seed)
+    d = (np.median(x[rng.integers(0, x.size, (n_boot, x.size))], axis=1)
+         - np.median(y[rng.integers(0, y.size, (n_boot, y.size))], axis=1))
+    lo, hi = _bounds(d, confidence)
+    return float(np.median(x) - np.median(y)), lo, hi
 
 
 @dataclass(frozen=True)

@@ -17,8 +17,9 @@ from kvtune.errors import KvtuneError
 from kvtune.verify import figures, results, verdict
 
 VERIFY_DIR: Final = "verify"
-TUNE_VERIFY_CONVERSATIONS: Final = 12
-"""``kvtune tune --verify``: conversations replayed per configuration (x4 turns = 48 requests)."""
+TUNE_VERIFY_STARTS: Final = 2
+"""``kvtune tune --verify``: starts of each configuration's deployment, in alternating order
+(A B A B), so that one start's offset is not read as an effect."""
 FIGURE_PREFIX: Final = "verify"
 """Figures land in ``figures/verify--*.json``: the report's section for the name ``verify``."""
 
@@ -73,12 +74,20 @@ def attach(result: results.VerifyResult, tune_dir: str | Path) -> Path | None:
 
 
 def verify_tune_dir(tune_dir: str | Path, *, shaped_rate_mbit: float | None,
-                    conversations: int = TUNE_VERIFY_CONVERSATIONS, seed: int = 1,
-                    progress: bool = True) -> results.VerifyResult:
+                    conversations: int | None = None, seed: int = 1,
+                    starts: int = TUNE_VERIFY_STARTS, lab: str | None = None,
+                    crossover: bool = True, progress: bool = True) -> results.VerifyResult:
     """``kvtune tune --verify``: replay the embedded default's traffic (another seed) on the local
-    pair under vLLM's defaults and under the recommendation just written to ``tune_dir``, on the
-    same fabric, and show the verdict and the predictions' check at the top of its report."""
-    from kvtune.tune.sources import PARALLEL_CONVERSATIONS, workload_plans
+    pair in the lab regime the tuning measured (``recommendation.json``'s ``lab``, else ``lab``,
+    else warm) under vLLM's defaults and under the recommendation just written to ``tune_dir``,
+    each over ``starts`` starts in alternating order, on the same fabric, and show the verdict and
+    the predictions' check at the top of its report. Where the recommendation is vLLM's defaults,
+    the runner-up (the mode ranked second, at the recommended threshold and TTL) is measured
+    against it instead: the decision is what is verified. With ``crossover``, the
+    recompute/pull crossover is swept too (lengths from the workload, one more deployment)."""
+    from kvtune.local.regime import WARM, regime
+    from kvtune.tune.headline import LAB_KEY
+    from kvtune.tune.sources import workload_plans
     from kvtune.verify import configs as C
     from kvtune.verify.backends import LocalPairBackend
     from kvtune.verify.run import describe, run_verify
@@ -88,13 +97,27 @@ def verify_tune_dir(tune_dir: str | Path, *, shaped_rate_mbit: float | None,
     if not rec_path.is_file():
         raise KvtuneError(f"kvtune tune --verify: {rec_path}: no recommendation to verify")
     rec = json.loads(rec_path.read_text())
-    plans = workload_plans(conversations, seed=seed)
-    backend = LocalPairBackend(shaped_rate_mbit=shaped_rate_mbit)
-    result = run_verify([C.vllm_defaults(), C.from_recommendation(rec_path, data=rec)], backend,
-                        plans, tune / VERIFY_DIR,
+    traced = rec.get(LAB_KEY) if isinstance(rec.get(LAB_KEY), dict) else {}
+    reg = regime(lab or traced.get("regime") or WARM.name)
+    plans = workload_plans(reg, conversations or reg.verify_conversations, seed=seed)
+    backend = LocalPairBackend(shaped_rate_mbit=shaped_rate_mbit, pair_kwargs={"regime": reg},
+                               regime=reg.name)
+    recommended = C.from_recommendation(rec_path, data=rec)
+    configs, baseline = [C.vllm_defaults(), recommended], C.DEFAULTS
+    if C.same_settings(recommended, configs[0]):
+        runner = C.runner_up(rec)
+        if runner is None:
+            raise KvtuneError(f"kvtune tune --verify: {rec_path}: the recommendation is vLLM's "
+                              f"defaults and names no runner-up mode to verify the decision "
+                              f"against")
+        configs, baseline = [recommended, runner], C.RECOMMENDED
+    from kvtune.verify.crossover import CrossoverSpec, lengths_for
+    sweep = CrossoverSpec(lengths_for(plans, reg), seed=seed) if crossover else None
+    result = run_verify(configs, backend, plans, tune / VERIFY_DIR,
                         workload=describe(plans, f"kvtune tune's embedded default traffic "
-                                                 f"(seed {seed})"),
-                        recommendation=rec, max_concurrency=PARALLEL_CONVERSATIONS,
-                        progress=progress, seed=seed)
+                                                 f"(lab regime {reg.name}, seed {seed})"),
+                        baseline=baseline, recommendation=rec, crossover=sweep,
+                        max_concurrency=reg.parallel_conversations, turn_major=reg.turn_major,
+                        starts=starts, progress=progress, seed=seed)
     attach(result, tune)
     return result
