@@ -39,16 +39,23 @@ def test_recommend_recovers_the_simulators_model(tmp_path, mode):
         assert ev.pull_ms_at_break_even == pytest.approx(ev.recompute_ms_at_break_even)
 
 
-def test_mode_evidence_names_every_simulator_input_and_its_source(tmp_path):
+def _recommend_on_pull_traffic(tmp_path, duration_s: float, **changes):
+    """recommend() on the spans of the public preset in pull mode (``changes``: SimConfig.with_)
+    serving 2k-token multi-turn traffic for ``duration_s``."""
     from kvtune.traces import load
 
     cfg = presets.public_h200_qwen3_32b(mode="pull")
-    cfg = replace(cfg, workload=replace(cfg.workload, duration_s=90.0,
+    cfg = cfg.with_(**changes) if changes else cfg
+    cfg = replace(cfg, workload=replace(cfg.workload, duration_s=duration_s, qps=1.0,
                                         prompt_tokens=sim.Dist.parse("lognormal:2000,0.6"),
                                         turns=sim.Dist.parse("uniform:1,5")))
     path = tmp_path / "sim.jsonl"
     sim.simulate(cfg).write_spans(path)
-    tu = recommend(load(str(path)), n_boot=20)
+    return recommend(load(str(path)), n_boot=20)
+
+
+def test_mode_evidence_names_every_simulator_input_and_its_source(tmp_path):
+    tu = _recommend_on_pull_traffic(tmp_path, 90.0)
     ev = tu.mode.evidence
     assert ev.model == "kvtune.sim"
     by_name = {i.name: i for i in ev.sim_inputs}
@@ -88,3 +95,25 @@ def test_models_disagree_finding_says_which_preset_values_the_analytic_model_lac
     assert "prefill.per_token_ms" not in f.message
     assert f.evidence["preset_inputs"] == [{"name": "decode.loop_per_descriptor_us", "value": 0.23,
                                             "source": "preset p"}]
+
+
+def test_the_simulator_predicts_its_own_traced_ttft_without_a_shared_bias(tmp_path):
+    # spans of a deployment whose requests pay the path outside the fitted phases (API servers'
+    # tokenisation, engine intakes, a handoff growing with the prompt): the recommendation's
+    # simulator, calibrated from those spans, must predict the TTFT they measured
+    tu = _recommend_on_pull_traffic(
+        tmp_path, 300.0, overheads={"hop_ms": 2.0, "router_ms": 1.0, "tokenize_per_kilotoken_ms": 1.5,
+                                    "handoff_per_kilotoken_ms": 1.0, "prefill_intake_ms": 6.0,
+                                    "decode_intake_ms": 8.0}, transfer={"notify_ms": 1.0})
+    ev = tu.mode.evidence
+    measured = tu.extra["measured_ttft_ms"]["pull"]["p50_ms"]
+    hop = next(i.value for i in ev.sim_inputs if i.name == "overheads.hop_ms")
+    predicted = ev.simulated_ttft_ms["pull"].p50 - hop
+    assert predicted == pytest.approx(measured, rel=0.05)
+    assert ev.sim_scale == pytest.approx(1.0, abs=0.05)
+    by_name = {i.name: i for i in ev.sim_inputs if i.mode is None}
+    for name, want in (("overheads.prefill_intake_ms", 6.0), ("overheads.decode_intake_ms", 8.0),
+                       ("overheads.tokenize_per_kilotoken_ms", 1.5),
+                       ("overheads.handoff_per_kilotoken_ms", 1.0)):
+        assert by_name[name].value == pytest.approx(want, rel=0.1), name
+        assert by_name[name].source.startswith("measured")

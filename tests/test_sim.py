@@ -57,17 +57,70 @@ def test_pull_single_request_matches_hand_computed_timeline():
     df = one_request("pull")
     # prefill done 48.96; back to the router and on to the decode: + 2 * 2 = 52.96; the decode
     # builds descriptors inline (2.56) -> READ posted 55.52; done 55.52 + 0.4096 + 20 = 75.9296;
-    # scheduled at once (idle decode), first step 11 ms -> 86.9296; + 2 hop.
-    assert df.loc[0, "ttft_ms"] == pytest.approx(88.9296, abs=1e-6)
+    # its completion seen 0.5 later, scheduled at once (idle decode), first step 11 ms ->
+    # 87.4296; + 2 hop.
+    assert df.loc[0, "ttft_ms"] == pytest.approx(89.4296, abs=1e-6)
     assert df.loc[0, "transfer_ms"] == pytest.approx(75.9296 - 52.96, abs=1e-6)
 
 
 def test_push_hides_descriptor_setup_behind_prefill_and_pull_pays_it():
     push, pull = one_request("push"), one_request("pull")
     extra = pull.loc[0, "ttft_ms"] - push.loc[0, "ttft_ms"]
-    # when idle, pull pays the two extra hops and the inline descriptor setup; push waits for the
-    # notification (0.5 ms) where pull's decode sees its own READ complete
-    assert extra == pytest.approx(2 * 2.0 + 2.56 - 0.5, abs=1e-6)
+    # when idle, pull pays the two extra hops and the inline descriptor setup; both see the
+    # transfer's end notify_ms later (push: the notification; pull: its READ's completion)
+    assert extra == pytest.approx(2 * 2.0 + 2.56, abs=1e-6)
+
+
+PATH_COSTS = dict(tokenize_per_kilotoken_ms=0.5, handoff_per_kilotoken_ms=0.25,
+                  prefill_intake_ms=1.5, decode_intake_ms=2.5, handover_ms=3.0)
+
+
+def test_pull_pays_each_engines_intake_tokenisation_and_the_longer_handoff():
+    base = one_request("pull").loc[0, "ttft_ms"]
+    got = one_request("pull", overheads=PATH_COSTS).loc[0, "ttft_ms"]
+    kt = PROMPT / 1000
+    # prefill leg: tokenised (0.5 ms/kt) then taken in (1.5); decode leg: the handoff grows by
+    # 0.25 ms/kt, the decode's API server tokenises it too and its engine takes it in (2.5)
+    assert got - base == pytest.approx(kt * 0.5 + 1.5 + kt * 0.25 + kt * 0.5 + 2.5, abs=1e-6)
+
+
+def test_push_pays_the_prefill_intake_and_the_handover_not_the_decode_intake():
+    base = one_request("push").loc[0, "ttft_ms"]
+    got = one_request("push", overheads=PATH_COSTS).loc[0, "ttft_ms"]
+    # the decode leg (intake, registration) overlaps the 46 ms prefill; the WRITE waits for the
+    # handover after it
+    assert got - base == pytest.approx(PROMPT / 1000 * 0.5 + 1.5 + 3.0, abs=1e-6)
+
+
+def test_intake_spans_cover_each_engines_intake(tmp_path):
+    res = simulate(tiny("pull", overheads=PATH_COSTS, requests=pd.DataFrame(
+        {"arrival_s": [0.0], "prompt_tokens": [PROMPT], "output_tokens": [4]})))
+    queue = {s.attributes[S.ROLE]: (s.end_time - s.start_time) / 1e6
+             for s in res.spans() if s.name == S.SpanName.QUEUE.value}
+    assert queue == {"prefill": pytest.approx(1.5), "decode": pytest.approx(2.5)}
+
+
+def test_negative_path_costs_are_refused():
+    with pytest.raises(SimError, match="Overheads.decode_intake_ms"):
+        tiny("pull", overheads={"decode_intake_ms": -1.0})
+    with pytest.raises(SimError, match="PrefillModel.loop_per_descriptor_us"):
+        tiny("pull", prefill={"loop_per_descriptor_us": float("nan")})
+
+
+def test_decode_prefix_caching_apart_from_the_prefills():
+    wl = WorkloadSpec(qps=1.0, duration_s=5.0, prompt_tokens=Dist.fixed(1600),
+                      output_tokens=Dist.fixed(16), turns=Dist.fixed(3), new_tokens=Dist.fixed(160),
+                      think_time_s=Dist.fixed(0.5), users=1)
+    res = simulate(tiny("pull", workload=wl, reuse={"prefix_caching": False,
+                                                     "decode_prefix_caching": True}))
+    later = res.requests[res.requests["turn"] >= 2]
+    assert len(later) >= 2
+    # the prefill recomputes every prompt; the decode's cache holds the last turn's prompt and
+    # output, so the READ moves only the whole blocks it lacks (the new 160 tokens and the rest
+    # of the last partial block)
+    assert (later["computed_tokens"] == later["prompt_tokens"]).all()
+    held = (later["history_tokens"] // 16) * 16
+    assert (later["forward_tokens"] == later["prompt_tokens"] - held).all()
 
 
 def test_pull_descriptor_setup_stalls_running_decodes():
@@ -275,8 +328,9 @@ def test_spans_follow_the_convention_and_round_trip(tmp_path, mode):
             assert isinstance(s.attributes[key], S.ATTRIBUTE_TYPES[key]) or (
                 S.ATTRIBUTE_TYPES[key] is float and isinstance(s.attributes[key], int)), key
         assert s.end_time >= s.start_time
-    expected = {S.SpanName.REQUEST, S.SpanName.PREFILL, S.SpanName.DESCRIPTOR_SETUP,
-                S.SpanName.RDMA, S.SpanName.NOTIFY, S.SpanName.DECODE_START}
+    expected = {S.SpanName.REQUEST, S.SpanName.QUEUE, S.SpanName.PREFILL,
+                S.SpanName.DESCRIPTOR_SETUP, S.SpanName.RDMA, S.SpanName.NOTIFY,
+                S.SpanName.DECODE_START}
     if mode == "push":
         expected |= {S.SpanName.REGISTRATION, S.SpanName.RENDEZVOUS}
     if mode == "bidirectional":
@@ -449,3 +503,20 @@ def test_reuse_only_within_the_routers_ttl():
 
     assert pulled(30.0) > 10
     assert pulled(8.0) == 0 and pulled(5.0) == 0
+
+
+def test_round_robin_users_send_their_conversations_turns_in_turn():
+    wl = WorkloadSpec(qps=1.0, duration_s=30.0, prompt_tokens=Dist.fixed(500),
+                      output_tokens=Dist.fixed(4), turns=Dist.fixed(3), new_tokens=Dist.fixed(50),
+                      think_time_s=Dist.fixed(0.0), users=1, conversations_per_user=3)
+    df = simulate(tiny("pull", workload=wl)).requests.sort_values("arrival_s")
+    # one request at a time, each right after the previous one finished
+    assert (df["arrival_s"].to_numpy()[1:] >= df["done_s"].to_numpy()[:-1] - 1e-9).all()
+    first = df.head(9)
+    # three conversations' first turns, then their second turns, then their third
+    assert first["turn"].tolist() == [1, 1, 1, 2, 2, 2, 3, 3, 3]
+    assert first["conversation_id"].tolist()[:3] == first["conversation_id"].tolist()[3:6]
+    # a finished conversation is replaced: the user keeps three going
+    assert df["conversation_id"].nunique() > 3
+    with pytest.raises(SimError, match="conversations_per_user"):
+        replace(wl, conversations_per_user=0)

@@ -1,8 +1,10 @@
 """Transfer mode: push vs pull vs pull + bidirectional reuse, by expected TTFT on the user's traffic.
 
 Expected TTFT p50/p99 per mode come from the simulator (``kvtune.sim``: the traced workload played
-in each mode on the public preset calibrated with the fits; every number it plays is listed with
-its source in the evidence), and, beside it, from the analytic model here, per traced request
+in each mode on the public preset calibrated with the fits, the router's hops, each engine's
+intake and push's handover as traced (``kvtune.analysis.path``), per mode where the trace
+measured a mode apart; every number it plays is listed with its source in the evidence), and,
+beside it, from the analytic model here, per traced request
 (prompt P, history H, gap g):
 
 - pull: queue + prefill(P) + ``PULL_HOP_MS`` (router -> decode, the decode schedules the read)
@@ -22,6 +24,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -29,6 +32,7 @@ from kvtune import spans as sc
 from kvtune.analysis.fit import FloorFit
 from kvtune.analysis.hops import RouterHops
 from kvtune.analysis.modes import MeasuredTtft, TracedSettings
+from kvtune.analysis.path import PathCosts
 from kvtune.analysis.prefill import PrefillCost
 from kvtune.analysis.workload import TracedRequest, Workload
 from kvtune.errors import SimError
@@ -104,8 +108,10 @@ def _simulated(workload: Workload, fit: FloorFit, prefill: PrefillCost, *, bytes
                prefill_instances: int, fit_source: str, prefix_caching: bool | None = None,
                prefix_caching_source: str = "setting", first_step_ms: float | None = None,
                first_step_source: str = "measured", max_requests: int = DEFAULT_MAX_REQUESTS,
-               hops: RouterHops | None = None) -> tuple[SimTtft, tuple[SimInput, ...]]:
+               hops: RouterHops | None = None, traced: TracedPath | None = None
+               ) -> tuple[SimTtft, tuple[SimInput, ...]]:
     """(p50, p99) per mode from the simulator, and the numbers it played with their sources."""
+    traced = traced or TracedPath()
     cal = calibrate(workload, fit, prefill, max_requests=max_requests, ttl_s=ttl_s,
                     threshold_tokens=threshold_tokens,
                     bytes_per_token=bytes_per_token,
@@ -113,10 +119,13 @@ def _simulated(workload: Workload, fit: FloorFit, prefill: PrefillCost, *, bytes
                     fit_source=fit_source, prefill_instances=prefill_instances,
                     prefix_caching=prefix_caching, prefix_caching_source=prefix_caching_source,
                     first_step_ms=first_step_ms, first_step_source=first_step_source,
-                    hop_ms=hops.hop_ms if hops is not None else None,
-                    router_ms=hops.router_ms if hops is not None else None,
-                    hops_source=_hops_source(hops))
-    res = ttft_per_mode(cal.config)
+                    hops=hops, hops_source=_hops_source(hops), path=traced.path or None,
+                    main_mode=traced.main_mode, path_source=PATH_SOURCE,
+                    mode_prefill=traced.mode_prefill or None, block_tokens=traced.block_tokens,
+                    block_tokens_source=BLOCK_TOKENS_SOURCE,
+                    loop_per_descriptor_us=traced.loop_per_descriptor_us,
+                    loop_source=LOOP_SOURCE)
+    res = ttft_per_mode(cal)
     return {m.value: (float(v.p50_ms), float(v.p99_ms)) for m, v in res.items()}, cal.inputs
 
 
@@ -162,8 +171,33 @@ def _with_measured(sim: SimTtft, inputs: tuple[SimInput, ...],
 def _hops_source(hops: RouterHops | None) -> str:
     if hops is None:
         return "measured"
-    return (f"measured: router hops (half the median prefill answer -> decode leg handoff of "
-            f"{hops.n_handoffs} pull legs; router intake from {hops.n_intakes} requests)")
+    return (f"measured: router hops (the prefill answer -> decode leg handoff of "
+            f"{hops.n_handoffs} pull legs and the router intake of {hops.n_intakes} requests, "
+            f"each against the prompt's kilotokens: kvtune.analysis.hops)")
+
+
+PATH_SOURCE = ("measured: engine intakes on idle engines and push's handover and notification "
+               "(kvtune.analysis.path)")
+BLOCK_TOKENS_SOURCE = "measured: kv.tokens / kv.blocks of the transfers"
+LOOP_SOURCE = ("measured: the serving READs' per-descriptor cost beyond the fabric probe's "
+               "(slope_split_by_probe); the prefill's reverse READs run the same code")
+
+
+@dataclass(frozen=True)
+class TracedPath:
+    """What the trace measured of each mode's path for the simulator, beyond the fits and hops."""
+
+    path: Mapping[str, PathCosts] = field(default_factory=dict)
+    """Per mode: the engines' intakes and push's handover and notification."""
+    main_mode: str | None = None
+    """The mode whose path every mode without its own plays."""
+    mode_prefill: Mapping[str, PrefillCost] = field(default_factory=dict)
+    """Per mode other than the main one: its own prefill cost (the engines share a host)."""
+    block_tokens: int | None = None
+    """The engines' KV block size (None: the preset's)."""
+    loop_per_descriptor_us: float | None = None
+    """The engine loop's inline work per READ descriptor, split from the serving transfers by the
+    fabric probe (None: the preset's)."""
 
 
 def _close(sim: SimTtft) -> bool:
@@ -195,6 +229,10 @@ PRESET_MECHANISMS: dict[str, str] = {
     "decode.step_base_ms": "decode step time (first token after KV arrives)",
     "overheads.hop_ms": "HTTP hops between router and instances",
     "overheads.registration_base_ms": "push's destination-block registration",
+    "overheads.prefill_intake_ms": "the prefill engine taking a request in (API server -> scheduler)",
+    "overheads.decode_intake_ms": "the decode engine taking a leg in before it acts on it",
+    "overheads.tokenize_per_kilotoken_ms": "each API server tokenising the whole prompt",
+    "prefill.loop_per_descriptor_us": "the prefill's engine loop building reverse READ descriptors",
 }
 """Simulator inputs the analytic model has no term for, and what they stand for."""
 
@@ -230,7 +268,8 @@ def recommend_mode(workload: Workload, fit: FloorFit, prefill: PrefillCost, *,
                    prefix_caching_source: str = "setting", first_step_ms: float | None = None,
                    first_step_source: str = "measured", hops: RouterHops | None = None,
                    measured: Mapping[str, MeasuredTtft] | None = None, main_mode: str | None = None,
-                   traced_settings: TracedSettings | None = None
+                   traced_settings: TracedSettings | None = None,
+                   traced_path: TracedPath | None = None
                    ) -> tuple[Recommendation, list[Finding]]:
     """Compare the modes' expected TTFT and pick one (see module doc). ``use_simulator=False``
     keeps to the analytic model; ``fit_source`` names where the floor fit came from (for the list
@@ -240,7 +279,9 @@ def recommend_mode(workload: Workload, fit: FloorFit, prefill: PrefillCost, *,
     token, as traced; ``hops`` (None: the preset's) the router's hop and intake, as traced;
     ``measured`` the TTFT (to the decode's first step) of each mode the trace served, with
     ``main_mode`` the one the fits were read from and ``traced_settings`` the reuse settings it
-    ran under (see :func:`_with_measured`)."""
+    ran under (see :func:`_with_measured`); ``traced_path`` what the trace measured of each
+    mode's path (engine intakes, push's handover and notification, per-mode prefill costs, the
+    KV block size: :class:`TracedPath`)."""
     thr = math.inf if threshold == NEVER else float(threshold)
     findings: list[Finding] = []
     ttft, util = _analytic(workload, fit, prefill, bytes_per_token=bytes_per_token,
@@ -265,7 +306,8 @@ def recommend_mode(workload: Workload, fit: FloorFit, prefill: PrefillCost, *,
             threshold_tokens=at_threshold, prefill_instances=prefill_instances,
             fit_source=fit_source, prefix_caching=prefix_caching,
             prefix_caching_source=prefix_caching_source, first_step_ms=first_step_ms,
-            first_step_source=first_step_source, max_requests=n, hops=hops)
+            first_step_source=first_step_source, max_requests=n, hops=hops,
+            traced=traced_path)
 
     if use_simulator and ttft:
         try:

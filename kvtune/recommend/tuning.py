@@ -12,12 +12,13 @@ import pandas as pd
 from kvtune.analysis.fit import FloorFit, fit_floor
 from kvtune.analysis.hops import router_hops
 from kvtune.analysis.modes import measured_ttft, split_modes, traced_settings
+from kvtune.analysis.path import path_costs, without_reverse_wait
 from kvtune.analysis.prefill import PrefillCost, local_prefix_hits, prefill_cost
 from kvtune.analysis.transfers import transfers as transfers_table
 from kvtune.analysis.workload import Workload, workload as workload_of
 from kvtune.errors import AnalysisError, ConfigError
 from kvtune.recommend.findings import readiness, versions_in
-from kvtune.recommend.mode import recommend_mode
+from kvtune.recommend.mode import TracedPath, recommend_mode
 from kvtune.recommend.results import NEVER, Finding, Tuning
 from kvtune.recommend.threshold import recommend_threshold
 from kvtune.recommend.ttl import recommend_ttl
@@ -63,6 +64,28 @@ def bytes_per_token_of(transfers: pd.DataFrame, geometry: Any = None) -> tuple[f
     return bpt, dpt, "transfers (kv.bytes / kv.tokens)"
 
 
+def block_tokens_of(transfers: pd.DataFrame, geometry: Any = None) -> int | None:
+    """The engines' KV block size in tokens: the geometry's, else the one block size every serving
+    transfer's ``kv.blocks = ceil(kv.tokens / size)`` agrees with (the smallest such, preferring a
+    power of two), else None (no transfer with both counts, or they disagree)."""
+    if geometry is not None and getattr(geometry, "block_size_tokens", None):
+        return int(geometry.block_size_tokens)
+    t = transfers[(transfers["tokens"].notna() & transfers["blocks"].notna()
+                   & (transfers["blocks"] > 0) & (transfers["tokens"] > 0)
+                   & (transfers["mode"].astype(object) != "probe")).to_numpy(dtype=bool)]
+    if t.empty:
+        return None
+    tokens = t["tokens"].to_numpy(dtype=float)
+    blocks = t["blocks"].to_numpy(dtype=float)
+    lo = int(np.ceil(np.max(tokens / blocks)))  # tokens <= size * blocks
+    multi = blocks > 1
+    hi = float(np.min(tokens[multi] / (blocks[multi] - 1))) if multi.any() else math.inf  # size < hi
+    if lo >= hi:
+        return None
+    power = 1 << max(0, lo - 1).bit_length()  # the smallest power of two >= lo
+    return power if power < hi else lo
+
+
 def _fit_with_probe_fallback(tr: pd.DataFrame, *, n_boot: int, seed: int, fabric: str | None,
                              op: str | None, source: str
                              ) -> tuple[FloorFit, str, list[Finding]]:
@@ -102,46 +125,59 @@ def _fit_with_probe_fallback(tr: pd.DataFrame, *, n_boot: int, seed: int, fabric
 
 
 def split_with_probe(fit: FloorFit, tr: pd.DataFrame, *, bytes_per_token: float,
-                     descriptors_per_token: float, n_boot: int, seed: int
-                     ) -> tuple[FloorFit, list[Finding]]:
+                     descriptors_per_token: float, n_boot: int, seed: int, op: str | None = None
+                     ) -> tuple[FloorFit, float | None, list[Finding]]:
     """The serving fit with its per-token slope split into link time and per-descriptor work, by the
-    fabric probe, for the simulator's mode comparison.
+    fabric probe, for the simulator's mode comparison; and, where the serving transfers were READs
+    (a decode's, or a prefill's reverse, built inline by the engine), the engine loop's share of
+    that work.
 
     vLLM moves one descriptor per layer and block, so in serving transfers descriptors grow with
     bytes and the fit cannot tell the two apart (``per_descriptor_us`` is None): its bandwidth holds
     both. The simulator queues transfers on the link by bytes / bandwidth, so an understated
     bandwidth overstates queueing and push's overlap. The probe varies descriptors at fixed bytes
     and does tell them apart: the link keeps the probe's bandwidth, and what the serving slope has
-    beyond it is charged per descriptor. Totals (``predict_ms``) stay the serving fit's. Returns the
-    serving fit unchanged when there is no probe, the probe cannot separate them either, or its
-    wire time alone exceeds the serving slope."""
+    beyond it is charged per descriptor. Of that, the fabric's own cost is the probe's per
+    descriptor; what READs pay beyond it is their engine loop's inline work (returned: the
+    simulator charges it as ``loop_per_descriptor_us``, stalling the engine). Totals
+    (``predict_ms``) stay the serving fit's. Returns (the serving fit, None, []) when there is no
+    probe, the probe cannot separate them either, or its wire time alone exceeds the serving
+    slope."""
     if fit.per_descriptor_us is not None or descriptors_per_token <= 0 or bytes_per_token <= 0:
-        return fit, []
+        return fit, None, []
     probe = tr[(tr["mode"].astype("object") == "probe").to_numpy(dtype=bool)]
     if probe.empty:
-        return fit, []
+        return fit, None, []
     try:
         pf = fit_floor(probe, n_boot=min(n_boot, 50), seed=seed,
                        op="READ" if "READ" in set(probe["op"].dropna().astype(str)) else None)
     except AnalysisError:
-        return fit, []
+        return fit, None, []
     if pf.per_descriptor_us is None or not pf.bandwidth_gbps > 0:
-        return fit, []
+        return fit, None, []
     slope_us = bytes_per_token * 8.0 / (fit.bandwidth_gbps * 1e9) * 1e6
     wire_us = bytes_per_token * 8.0 / (pf.bandwidth_gbps * 1e9) * 1e6
     if wire_us >= slope_us:
-        return fit, []
+        return fit, None, []
     per_desc = (slope_us - wire_us) / descriptors_per_token
-    split = dataclasses.replace(fit, bandwidth_gbps=pf.bandwidth_gbps, per_descriptor_us=per_desc,
+    serving = tr[(tr["mode"].astype("object") != "probe").to_numpy(dtype=bool)]
+    reads = op == "READ" or (op is None and set(serving["op"].dropna().astype(str)) == {"READ"})
+    loop = max(0.0, per_desc - pf.per_descriptor_us) if reads else None
+    fabric = per_desc - loop if loop is not None else per_desc
+    split = dataclasses.replace(fit, bandwidth_gbps=pf.bandwidth_gbps, per_descriptor_us=fabric,
                                 bandwidth_ci_gbps=pf.bandwidth_ci_gbps, per_descriptor_ci_us=None)
-    return split, [Finding(
+    loop_words = (f", of which {loop:.3f} us is the engine loop's (beyond the probe's "
+                  f"{pf.per_descriptor_us:.3f} us: the serving READs build their descriptors "
+                  f"inline)" if loop is not None else "")
+    return split, loop, [Finding(
         "slope_split_by_probe", "info",
         f"the serving transfers' per-token cost ({slope_us:.3f} us/token) is split for the "
         f"simulator into link time at the fabric probe's {pf.bandwidth_gbps:.3g} Gbit/s "
-        f"({wire_us:.3f} us/token) and {per_desc:.3f} us per descriptor (the serving fit cannot "
-        f"separate them: descriptors grow with bytes)",
+        f"({wire_us:.3f} us/token) and {per_desc:.3f} us per descriptor{loop_words} (the serving "
+        f"fit cannot separate them: descriptors grow with bytes)",
         {"slope_us_per_token": slope_us, "probe_bandwidth_gbps": pf.bandwidth_gbps,
-         "wire_us_per_token": wire_us, "per_descriptor_us": per_desc})]
+         "wire_us_per_token": wire_us, "per_descriptor_us": per_desc,
+         "probe_per_descriptor_us": pf.per_descriptor_us, "engine_loop_per_descriptor_us": loop})]
 
 
 def recommend(spans: pd.DataFrame, *, geometry: Any = None,
@@ -191,11 +227,13 @@ def recommend(spans: pd.DataFrame, *, geometry: Any = None,
     fit, fit_source, f = _fit_with_probe_fallback(tr, n_boot=n_boot, seed=seed, fabric=fabric,
                                                   op=op, source=source)
     findings += f
+    prefill_from = spans
     try:
         pc: PrefillCost = prefill_cost(spans)
     except AnalysisError:
         if spans is traced:
             raise
+        prefill_from = traced
         pc = prefill_cost(traced)  # too few of the main mode's prefills: every mode's
     wl: Workload = workload_of(spans)
     bpt, dpt, bpt_from = bytes_per_token_of(tr, geometry)
@@ -209,15 +247,29 @@ def recommend(spans: pd.DataFrame, *, geometry: Any = None,
     ttl, f = recommend_ttl(wl, bytes_per_token=bpt, hbm_budget_gb=hbm_budget_gb,
                            threshold_tokens=thr_tokens, seed=seed)
     findings += f
-    mode_fit, f = split_with_probe(fit, tr, bytes_per_token=bpt, descriptors_per_token=dpt,
-                                   n_boot=n_boot, seed=seed)
+    mode_fit, loop_us, f = split_with_probe(fit, tr, bytes_per_token=bpt, descriptors_per_token=dpt,
+                                            n_boot=n_boot, seed=seed, op=op)
     findings += f
     hits = local_prefix_hits(spans, tr)
-    hops = router_hops(spans)
+    hops = router_hops(traced)  # the router's and the network's: the same in every mode
     measured = measured_ttft(traced)
+    path = path_costs(traced)
+    mode_prefill: dict[str, PrefillCost] = {}
+    for m, other in split.others.items():  # engines sharing a host: each mode's own prefill
+        try:
+            mode_prefill[m] = prefill_cost(without_reverse_wait(other))
+        except AnalysisError:
+            continue
+    block = block_tokens_of(tr, geometry)
+    # the mode comparison plays reverse pulls itself: its prefill cost is compute only (a
+    # bidirectional prefill's kv.prefill span holds the reverse READ it waited for)
+    try:
+        mode_pc = prefill_cost(without_reverse_wait(prefill_from))
+    except AnalysisError:
+        mode_pc = pc
     first = tr["decode_start_ms"].dropna().astype(float) if "decode_start_ms" in tr else None
     first_ms = float(first.median()) if first is not None and len(first) else None
-    mode, f = recommend_mode(wl, mode_fit, pc, bytes_per_token=bpt, descriptors_per_token=dpt,
+    mode, f = recommend_mode(wl, mode_fit, mode_pc, bytes_per_token=bpt, descriptors_per_token=dpt,
                              threshold=thr.value, ttl_s=float(ttl.value),
                              early_decode_ok=early_decode_ok, prefill_instances=prefill_instances,
                              use_simulator=use_simulator,
@@ -236,7 +288,8 @@ def recommend(spans: pd.DataFrame, *, geometry: Any = None,
                                                f"simulator",
                              hops=hops if hops.hop_ms is not None else None,
                              measured=measured, main_mode=split.main,
-                             traced_settings=traced_settings(spans))
+                             traced_settings=traced_settings(spans),
+                             traced_path=TracedPath(path, split.main, mode_prefill, block, loop_us))
     findings += f
     findings += readiness(tr, traced, fit=fit, workload=wl, fabric=fabric)
     # What each Tempo source read (range, traces, spans) and whether its search was cut short.
@@ -246,6 +299,7 @@ def recommend(spans: pd.DataFrame, *, geometry: Any = None,
         "bytes_per_token": bpt, "descriptors_per_token": dpt, "bytes_per_token_from": bpt_from,
         "hbm_budget_gb": hbm_budget_gb, "early_decode_ok": early_decode_ok,
         "fabric": fabric, "fit_source": fit_source, "router_hops": hops.as_dict(),
+        "request_path": {m: v.as_dict() for m, v in path.items()}, "block_tokens": block,
         "clock_offsets_ns": dict(traced.attrs.get("clock_offsets_ns", {}) or {}),
         "skipped_records": len(traced.attrs.get("skipped", []) or []),
         "versions": versions_in(traced), "requests_by_mode": split.requests,

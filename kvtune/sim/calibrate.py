@@ -8,14 +8,14 @@ on the simulator can say which values were measured and which were taken from th
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields, is_dataclass, replace
 from typing import Any
 
 from kvtune.analysis.fit import FloorFit
 from kvtune.analysis.prefill import PrefillCost
 from kvtune.errors import SimError
-from kvtune.sim.config import Dist, Mode, PrefillModel, SimConfig
+from kvtune.sim.config import Dist, Mode, PrefillModel, SimConfig, sim_mode
 from kvtune.sim.presets import public_h200_qwen3_32b
 
 MODEL_PARTS: tuple[str, ...] = ("prefill", "decode", "transfer", "reverse_transfer", "overheads",
@@ -31,14 +31,20 @@ PREFILL_FIT_FIELDS: tuple[str, ...] = ("prefill.base_ms", "prefill.per_token_ms"
 @dataclass(frozen=True)
 class SimInput:
     """One number the simulator played: ``name`` (``part.field``, e.g. ``transfer.floor_ms``), its
-    ``value``, and its ``source`` (``"measured: ..."``, ``"preset <name>"``, ``"setting: ..."``)."""
+    ``value``, and its ``source`` (``"measured: ..."``, ``"preset <name>"``, ``"setting: ..."``);
+    ``mode``: the P/D mode it was played in where the trace measured that mode apart (None: every
+    mode without one of its own)."""
 
     name: str
     value: float | int | bool | str | None
     source: str
+    mode: str | None = None
 
     def as_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "value": self.value, "source": self.source}
+        out = {"name": self.name, "value": self.value, "source": self.source}
+        if self.mode is not None:
+            out["mode"] = self.mode
+        return out
 
 
 def from_fit(floor_fit: FloorFit | None, prefill_cost: PrefillCost | None, *,
@@ -60,15 +66,29 @@ def from_fit(floor_fit: FloorFit | None, prefill_cost: PrefillCost | None, *,
                      per_descriptor_us=float(pd) if pd is not None else 0.0)
         cfg = replace(cfg, transfer=tm, reverse_transfer=None)
     if prefill_cost is not None:
-        pm = PrefillModel(
-            base_ms=float(getattr(prefill_cost, "base_ms", 0.0) or 0.0),
-            per_token_ms=_number(prefill_cost, "per_token_ms", "prefill_cost"),
-            per_token_prefix_us=float(getattr(prefill_cost, "per_token_prefix_us", 0.0) or 0.0),
-            parallel_requests=cfg.prefill.parallel_requests)
-        cfg = replace(cfg, prefill=pm)
+        cfg = replace(cfg, prefill=prefill_model(prefill_cost, cfg.prefill))
     if mode is not None:
         changes["mode"] = mode
     return cfg.with_(**changes) if changes else cfg
+
+
+def prefill_model(prefill_cost: PrefillCost, base: PrefillModel) -> PrefillModel:
+    """``base`` with ``prefill_cost``'s fitted terms (its batching and engine-loop costs kept)."""
+    return replace(base, base_ms=float(getattr(prefill_cost, "base_ms", 0.0) or 0.0),
+                   per_token_ms=_number(prefill_cost, "per_token_ms", "prefill_cost"),
+                   per_token_prefix_us=float(getattr(prefill_cost, "per_token_prefix_us", 0.0) or 0.0))
+
+
+def mode_inputs(config: SimConfig, mode: Mode, changes: Mapping[str, Mapping[str, Any]],
+                sources: Mapping[str, str]) -> tuple[SimInput, ...]:
+    """The numbers ``changes`` (part -> field -> value, as :meth:`SimConfig.with_` takes them)
+    set for ``mode`` on top of ``config``, each with ``sources[part.field]`` and the mode."""
+    out = []
+    for part, values in changes.items():
+        for name, value in values.items():
+            key = f"{part}.{name}"
+            out.append(SimInput(key, value, sources.get(key, "measured"), mode.value))
+    return tuple(out)
 
 
 def sim_inputs(config: SimConfig, sources: Mapping[str, str]) -> tuple[SimInput, ...]:
@@ -100,6 +120,37 @@ def sim_inputs(config: SimConfig, sources: Mapping[str, str]) -> tuple[SimInput,
             out.append(SimInput(name, _shown(getattr(config.workload, f.name)),
                                 sources.get(name, sources.get("workload", preset))))
     return tuple(out)
+
+
+def from_inputs(inputs: Sequence[SimInput | Mapping[str, Any]], *, base: SimConfig | None = None
+                ) -> tuple[SimConfig, dict[Mode, dict[str, dict[str, Any]]]]:
+    """The deployment a list of :class:`SimInput` (or their ``as_dict`` form, as a
+    recommendation's ``sim_inputs`` holds them) describes: ``base`` (default: the public preset)
+    with every cost-model number and the topology set, and per mode the numbers listed for that
+    mode (part -> field -> value, :meth:`SimConfig.with_` changes). The traffic is not in the
+    list in replayable form: it stays ``base``'s."""
+    cfg = base if base is not None else public_h200_qwen3_32b()
+    changes: dict[str, dict[str, Any]] = {}
+    per_mode: dict[Mode, dict[str, dict[str, Any]]] = {}
+    top: dict[str, Any] = {}
+    for item in inputs:
+        d = item.as_dict() if isinstance(item, SimInput) else dict(item)
+        name, value, mode = str(d.get("name", "")), d.get("value"), d.get("mode")
+        part, _, fname = name.partition(".")
+        if name in TOPOLOGY_FIELDS and isinstance(value, int):
+            top[name] = value
+            continue
+        if part not in MODEL_PARTS or not fname or value is None:
+            continue
+        if not hasattr(getattr(cfg, part) or cfg.transfer, fname):
+            raise SimError(f"sim input {name!r}: {part} has no field {fname!r}")
+        target = changes if mode is None else per_mode.setdefault(sim_mode(mode, f"sim input {name!r}: mode"), {})
+        target.setdefault(part, {})[fname] = value
+    rev = changes.pop("reverse_transfer", None)
+    cfg = cfg.with_(**changes, **top)
+    if rev:
+        cfg = replace(cfg, reverse_transfer=replace(cfg.reverse_transfer or cfg.transfer, **rev))
+    return cfg, per_mode
 
 
 def _shown(value: object) -> float | int | bool | str:

@@ -112,6 +112,11 @@ class PrefillModel:
     """Prompts one instance computes together at the single-request speed: an engine whose one
     prompt leaves the GPUs under-used (a latency-calibrated ``per_token_ms``) gains throughput by
     batching prompts. 1 = strictly one at a time."""
+    loop_per_descriptor_us: float = 0.0
+    """Engine-loop work per descriptor when this prefill posts a reverse READ (bidirectional: the
+    history pulled back from a decode), on top of the fabric's ``TransferModel.per_descriptor_us``:
+    the same vLLM worker code builds the READ descriptors inline as a pull decode's
+    (``DecodeModel.loop_per_descriptor_us``), one slot of the prefill waits for it."""
 
     def compute_ms(self, new_tokens: float, prefix_tokens: float = 0.0) -> float:
         attn = (new_tokens * prefix_tokens + new_tokens * new_tokens / 2.0) / 1000.0
@@ -153,7 +158,9 @@ class TransferModel:
     descriptors_per_block: int = 128
     """Per-block layout: K and V per layer (2 x layers) descriptors for each block."""
     notify_ms: float = 0.05
-    """Notification latency target <- initiator."""
+    """The transfer's end -> the decode engine acting on the arrived KV: push, the WRITE's
+    completion notification reaching the decode; pull, the READ's completion polled at the
+    decode's loop (the target's notification takes as long)."""
 
     def blocks(self, tokens: int) -> int:
         return -(-int(tokens) // self.block_tokens)
@@ -183,6 +190,35 @@ class Overheads:
     registration_base_ms: float = 1.0
     """Push: decode allocates destination blocks and sends them to the prefill: fixed part."""
     registration_per_block_us: float = 1.0
+    tokenize_per_kilotoken_ms: float = 0.0
+    """Each engine's API server receiving a leg: chat template, tokenisation and request
+    validation of the whole prompt, per 1000 prompt tokens, before the engine stamps its
+    arrival. Both legs carry the whole prompt, so both pay it."""
+    handoff_per_kilotoken_ms: float = 0.0
+    """Pull: what the prefill's answer -> the decode leg's arrival at its API server adds per 1000
+    prompt tokens on top of the two hops (the prefill finishing a longer request, the router
+    relaying a longer body)."""
+    prefill_intake_ms: float = 0.0
+    """The prefill's intake on an idle engine: its API server stamped the request's arrival ->
+    the scheduler scheduled it (engine-core IPC, the scheduler loop picking it up). Queueing
+    behind other prompts comes on top (the prefill's FIFO)."""
+    decode_intake_ms: float = 0.0
+    """The decode's intake on an idle engine: its API server stamped the decode leg's arrival ->
+    the engine acted on it (pull: the scheduler saw it and its worker began the READ's
+    descriptors; push: it allocated and registered the destination blocks)."""
+    handover_ms: float = 0.0
+    """Push: the prefill finished computing -> its sender began the WRITE (the request finishes
+    at the engine's next step, then the connector hands its blocks over). Pull's answer leaves
+    the prefill the same way: that time is inside its two hops."""
+
+    def tokenize_ms(self, prompt_tokens: float) -> float:
+        """One API server's :attr:`tokenize_per_kilotoken_ms` for a prompt, ms."""
+        return prompt_tokens * self.tokenize_per_kilotoken_ms / 1e3
+
+
+OVERHEAD_DELAYS: tuple[str, ...] = ("tokenize_per_kilotoken_ms", "handoff_per_kilotoken_ms",
+                                    "prefill_intake_ms", "decode_intake_ms", "handover_ms")
+"""The :class:`Overheads` fields that delay a request on its way (checked finite and >= 0)."""
 
 
 @dataclass(frozen=True)
@@ -198,6 +234,11 @@ class ReuseSettings:
     prefill_cache_tokens: int = 0
     """Prefix cache capacity of one prefill instance, tokens (LRU over conversations); 0: the
     decode's ``kv_capacity_tokens`` (same hardware)."""
+    decode_prefix_caching: bool | None = None
+    """Prefix caching on the decode (its cache holds each finished request's prompt and output:
+    the next turn's forward transfer moves only the whole blocks it lacks); ``None``: as
+    ``prefix_caching``. vLLM enables it per engine: the published benchmark ran the prefill
+    without and the decode with it."""
     decode_local_prefix: bool = False
     """The decode uses the retained blocks it holds as a local prefix, so the forward transfer moves
     only the tokens it lacks; ``False``: the forward transfer moves the whole prompt's KV again."""
@@ -224,12 +265,20 @@ class WorkloadSpec:
     users: int = 0
     """Closed loop instead of Poisson: this many users, each starting a new conversation
     ``think_time_s`` after their previous one ended, until ``duration_s`` (``qps`` is then unused)."""
+    conversations_per_user: int = 1
+    """Closed loop: each user keeps this many conversations going and sends their turns round robin
+    (one request at a time, the next ``think_time_s`` after the last one finished): a
+    conversation's next turn waits for the user's other conversations' turns, as a benchmark client
+    with several active conversations sends them."""
 
     def __post_init__(self) -> None:
         if not (self.qps > 0 and math.isfinite(self.qps)):
             raise SimError(f"WorkloadSpec.qps: expected a positive number, got {self.qps!r}")
         if not (self.duration_s > 0 and math.isfinite(self.duration_s)):
             raise SimError(f"WorkloadSpec.duration_s: expected a positive number, got {self.duration_s!r}")
+        if int(self.conversations_per_user) < 1:
+            raise SimError("WorkloadSpec.conversations_per_user: expected >= 1, got "
+                           f"{self.conversations_per_user!r}")
 
 
 @dataclass(frozen=True)
@@ -265,9 +314,11 @@ class SimConfig:
                 raise SimError(f"SimConfig.{name}: expected >= 1, got {getattr(self, name)!r}")
         if self.transfer.bandwidth_gbps <= 0:
             raise SimError(f"TransferModel.bandwidth_gbps: expected > 0, got {self.transfer.bandwidth_gbps!r}")
-        if not self.decode.loop_per_descriptor_us >= 0:
-            raise SimError("DecodeModel.loop_per_descriptor_us: expected >= 0, got "
-                           f"{self.decode.loop_per_descriptor_us!r}")
+        for name, value in (("DecodeModel.loop_per_descriptor_us", self.decode.loop_per_descriptor_us),
+                            ("PrefillModel.loop_per_descriptor_us", self.prefill.loop_per_descriptor_us),
+                            *((f"Overheads.{f}", getattr(self.overheads, f)) for f in OVERHEAD_DELAYS)):
+            if not (value >= 0 and math.isfinite(value)):
+                raise SimError(f"{name}: expected a finite number >= 0, got {value!r}")
 
     @property
     def topology(self) -> str:

@@ -20,7 +20,16 @@ events; ``seq`` keeps the order of simultaneous events deterministic. The mechan
 * **bidirectional**: a decode retains a finished request's KV for ``ttl_s`` (LRU-evicted when its
   KV memory is needed). The next turn goes to that decode; the prefill pulls the history back
   when it holds at least ``threshold_tokens`` (building the descriptors inline, in one of its
-  slots), else recomputes it.
+  slots, at the fabric's and its engine loop's per-descriptor cost), else recomputes it.
+* **the way in** (``Overheads``): each leg reaches its engine's API server one hop after the
+  router, which reads and tokenises the whole prompt (``tokenize_per_kilotoken_ms``) and stamps
+  its arrival; the engine then takes it in (``prefill_intake_ms`` / ``decode_intake_ms``: IPC to
+  the engine core, its loop picking the request up) before it queues or acts. Pull's handoff
+  (prefill answer -> decode leg) grows with the prompt (``handoff_per_kilotoken_ms``); push's
+  WRITE leaves ``handover_ms`` after the prefill finished (the request finishing at the engine's
+  next step). The decode acts on arrived KV ``TransferModel.notify_ms`` after the transfer's end
+  (push: the notification; pull: its READ's completion polled). These are the request's time
+  outside the named engine spans: a trace measures them (``kvtune.analysis.path``).
 * **links**: each instance's NIC is a FIFO for ``bytes/bandwidth``; the floor is latency on top.
 * **decode steps**: step time grows with the batch and its context; while nothing changes, up to
   ``MAX_RUN_STEPS`` steps are one event (an arrival cuts the run at the next step boundary).
@@ -113,6 +122,8 @@ class Simulation:
         self.pm, self.dm, self.tm = config.prefill, config.decode, config.transfer
         self.rtm = config.reverse_transfer or config.transfer
         self.ov, self.ru = config.overheads, config.reuse
+        self.decode_caching = (self.ru.prefix_caching if self.ru.decode_prefix_caching is None
+                               else self.ru.decode_prefix_caching)
         self.prefills = [_Prefill(i) for i in range(config.prefill_instances)]
         self.decodes = [_Decode(i) for i in range(config.decode_instances)]
         self.requests: list[RequestTimeline] = []
@@ -176,16 +187,20 @@ class Simulation:
         return req
 
     def on_arrival(self, req: RequestTimeline) -> None:
-        t = self.now + self.ov.router_ms
+        ov = self.ov
+        # each leg: one hop to the engine's API server, which reads and tokenises the prompt and
+        # stamps its arrival; the engine then takes it in (intake) and queues it
+        t = self.now + ov.router_ms + ov.hop_ms + ov.tokenize_ms(req.prompt)
         p = self.pick_prefill(req)
         req.pinst = p.idx
         if self.early_decode:
             d = self.pick_decode(req)
             self.assign_decode(req, d)
-            req.at_decode = t + self.ov.hop_ms
-            self.at(req.at_decode, self.on_push_decode_arrival, req)
+            req.at_decode = t
+            self.at(t + ov.decode_intake_ms, self.on_push_decode_arrival, req)
         p.work_ms += req.prompt  # queued prompt tokens, for routing
-        self.at(t + self.ov.hop_ms, self.on_prefill_arrival, req)
+        req.at_prefill = t
+        self.at(t + ov.prefill_intake_ms, self.on_prefill_arrival, req)
 
     def pick_prefill(self, req: RequestTimeline) -> _Prefill:
         ps = self.prefills
@@ -213,7 +228,7 @@ class Simulation:
         req.dinst = d.idx
         req.decode_assigned = True
         d.assigned += 1
-        if self.ru.prefix_caching and req.history:
+        if self.decode_caching and req.history:
             # the decode's own prefix cache holds the conversation's last turn: a pull's READ
             # moves only the whole blocks it lacks (vLLM: prompt minus the local hit), and push
             # registers only those, so the prefill WRITEs only them (kv.bytes on the local pair)
@@ -230,7 +245,7 @@ class Simulation:
     # --- prefill ------------------------------------------------------------------------------
     def on_prefill_arrival(self, req: RequestTimeline) -> None:
         t = self.now
-        req.at_prefill = t
+        req.prefill_seen = t
         p = self.prefills[req.pinst]
         local = 0
         if self.ru.prefix_caching and req.history:
@@ -319,7 +334,8 @@ class Simulation:
             req = p.rev_jobs.popleft()
             p.active += 1
             req.rev_setup_start = t
-            req.rev_setup_end = t + self.rtm.setup_ms(req.rev_tokens)
+            req.rev_setup_end = t + self.rtm.setup_ms(req.rev_tokens) + (
+                self.pm.loop_per_descriptor_us * self.rtm.descriptors(req.rev_tokens) / 1e3)
             self.at(req.rev_setup_end, self.on_reverse_posted, req)
         while p.active < slots and p.queue:
             self.start_prefill(p, t)
@@ -341,9 +357,13 @@ class Simulation:
         self.prefill_next(p, t)
         if self.early_decode:
             if req.reg_arrive <= t:
-                self.push_send(req, t)
-        else:  # pull: back to the router, which picks the decode now
-            self.at(t + 2 * self.ov.hop_ms, self.on_pull_decode_arrival, req)
+                self.push_send(req, t + self.ov.handover_ms)
+        else:  # pull: back to the router, which picks the decode now; the decode's API server
+            # tokenises the prompt and stamps its arrival, then the engine takes it in
+            ov = self.ov
+            req.at_decode = (t + 2 * ov.hop_ms + ov.tokenize_ms(req.prompt)
+                             + req.prompt * ov.handoff_per_kilotoken_ms / 1e3)
+            self.at(req.at_decode + self.ov.decode_intake_ms, self.on_pull_decode_arrival, req)
 
     def cache_prompt(self, p: _Prefill, req: RequestTimeline) -> None:
         self.cache_tokens(p, req.conv, req.prompt, self.ru.prefill_cache_tokens)
@@ -362,6 +382,7 @@ class Simulation:
 
     # --- push ---------------------------------------------------------------------------------
     def on_push_decode_arrival(self, req: RequestTimeline) -> None:
+        req.decode_seen = self.now
         d = self.decodes[req.dinst]
         if self.reserve(d, req):
             self.register(req, self.now)
@@ -381,7 +402,7 @@ class Simulation:
         req.setup_end = req.setup_start + self.tm.setup_ms(req.fwd_tokens)
         p.sender_free = req.setup_end
         if req.prefill_end <= self.now:  # prefill finished first
-            self.push_send(req, self.now)
+            self.push_send(req, max(self.now, req.prefill_end + self.ov.handover_ms))
 
     def push_send(self, req: RequestTimeline, t: float) -> None:
         p = self.prefills[req.pinst]
@@ -401,9 +422,9 @@ class Simulation:
 
     # --- pull ---------------------------------------------------------------------------------
     def on_pull_decode_arrival(self, req: RequestTimeline) -> None:
+        req.decode_seen = self.now
         if not req.decode_assigned:
             self.assign_decode(req, self.pick_decode(req))
-        req.at_decode = self.now
         d = self.decodes[req.dinst]
         d.inbox.append(req)
         self.wake(d)
@@ -446,7 +467,7 @@ class Simulation:
                 d.link_free = start + tm.wire_ms(req.fwd_tokens)
                 req.rdma_end = d.link_free + tm.floor_ms
                 req.notify = req.rdma_end + tm.notify_ms
-                self.at(req.rdma_end, self.on_pull_done, req)
+                self.at(req.notify, self.on_pull_done, req)  # its completion seen
             del d.inbox[:posted]
             d.stall_ms += stall
         t_adm = t + stall
@@ -502,7 +523,7 @@ class Simulation:
         req.done = t + self.ov.hop_ms
         d.assigned -= 1
         conv = self.convs.get(req.conv)
-        if self.ru.prefix_caching:
+        if self.decode_caching:
             self.cache_tokens(d, req.conv, req.prompt + req.output)
         if self.bidi:
             self.retain(d, req, t)

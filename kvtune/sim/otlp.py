@@ -90,6 +90,12 @@ def records(cfg: SimConfig, timeline: Timeline) -> Iterator[Record]:
                             S.HTTP_STATUS: 200})
         on_p = {**common, S.ROLE: _PREFILL, S.ENGINE_ID: p_eng}
         on_d = {**common, S.ROLE: _DECODE, S.ENGINE_ID: d_eng}
+        # each engine's intake: its API server stamped the leg's arrival -> the engine took it in
+        for key, attrs, start, end in ((p_key, on_p, r.at_prefill, r.prefill_seen),
+                                       (d_key, on_d, r.at_decode, r.decode_seen)):
+            if ok(start) and ok(end):
+                yield (key, trace, sid(), root, S.SpanName.QUEUE.value, _KIND_INTERNAL, ns(start),
+                       ns(end), attrs)
         if bidi:
             yield (p_key, trace, sid(), root, S.SpanName.REUSE_DECISION.value, _KIND_INTERNAL,
                    ns(r.decision), ns(r.decision),

@@ -30,15 +30,17 @@ class RequestTimeline:
     ``computed``, ``fwd_tokens`` (forward transfer), ``rev_tokens`` (history pulled back),
     ``remote_tokens`` (history a decode offered); ``pinst`` / ``dinst``: prefill / decode
     instance; ``outcome``: the reuse decision (``kvtune.spans.ReuseOutcome`` value, "" outside
-    bidirectional). Times: ``arrival``, ``at_prefill``, ``decision``, ``rev_*`` (reverse pull),
+    bidirectional). Times: ``arrival``, ``at_prefill`` (the prefill's API server stamped its
+    arrival), ``prefill_seen`` (its engine took it in), ``decision``, ``rev_*`` (reverse pull),
     ``queue_enter``, ``prefill_start``, ``prefill_end``, ``reg_*`` (push registration),
-    ``at_decode``, ``setup_start``, ``setup_end``, ``rdma_post``, ``rdma_end``, ``notify``,
-    ``kv_ready``, ``decode_start``, ``first_token``, ``last_token``, ``done``.
+    ``at_decode`` / ``decode_seen`` (the same on the decode), ``setup_start``, ``setup_end``,
+    ``rdma_post``, ``rdma_end``, ``notify``, ``kv_ready``, ``decode_start``, ``first_token``,
+    ``last_token``, ``done``.
     """
 
     __slots__ = (
         "idx", "conv", "turn", "prompt", "output", "history", "arrival", "pinst", "dinst",
-        "at_prefill", "decision", "outcome", "remote_tokens", "cached", "computed",
+        "at_prefill", "prefill_seen", "decode_seen", "decision", "outcome", "remote_tokens", "cached", "computed",
         "rev_setup_start", "rev_setup_end", "rev_rdma_end", "rev_notify", "rev_tokens",
         "queue_enter", "prefill_start", "prefill_end",
         "reg_start", "reg_end", "reg_arrive", "at_decode",
@@ -52,7 +54,7 @@ class RequestTimeline:
         self.idx, self.conv, self.turn = idx, conv, turn
         self.prompt, self.output, self.history, self.arrival = prompt, output, history, arrival
         self.pinst = self.dinst = -1
-        self.at_prefill = self.decision = _NAN
+        self.at_prefill = self.prefill_seen = self.decode_seen = self.decision = _NAN
         self.outcome = ""
         self.remote_tokens = 0
         self.cached = 0

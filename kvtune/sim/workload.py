@@ -3,6 +3,7 @@ from a measured ``kvtune.analysis.Workload`` summary to a :class:`WorkloadSpec`.
 from __future__ import annotations
 
 import math
+from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
@@ -65,6 +66,9 @@ class Traffic:
         self.replay = requests_frame(requests) if requests is not None else None
         self._convs: dict[int, _Conversation] = {}
         self._user_rng: np.random.Generator | None = None  # closed-loop workloads
+        # closed loop, round robin: each user's conversations waiting for their next turn
+        self._queues: dict[int, deque[tuple[int, int, int, int, int]]] = {}
+        self._user_of: dict[int, int] = {}
         self.horizon_ms = 0.0
         """Arrivals stop here (ms), known once :meth:`start` ran."""
 
@@ -90,8 +94,18 @@ class Traffic:
         self.horizon_ms = w.duration_s * 1e3
         if w.users > 0:  # closed loop: each user starts a new conversation when the last one ended
             self._user_rng = rng
-            return [self._new_conversation(w, rng, float(start) * 1e3)
-                    for start in rng.uniform(0.0, max(w.think_time_s.mean(), 1e-3), w.users)]
+            starts = rng.uniform(0.0, max(w.think_time_s.mean(), 1e-3), w.users)
+            if w.conversations_per_user <= 1:
+                return [self._new_conversation(w, rng, float(start) * 1e3) for start in starts]
+            out = []
+            for user, start in enumerate(starts):  # the first turn now, the others queued
+                firsts = [self._new_conversation(w, rng, float(start) * 1e3)
+                          for _ in range(int(w.conversations_per_user))]
+                for a in firsts:
+                    self._user_of[a.conversation] = user
+                self._queues[user] = deque(_pending(a) for a in firsts[1:])
+                out.append(firsts[0])
+            return out
         mean_turns = max(1.0, w.turns.mean())
         rate = w.qps / mean_turns  # conversations per second
         n_est = int(rate * w.duration_s * 1.3 + 10 * math.sqrt(rate * w.duration_s + 1) + 10)
@@ -128,16 +142,33 @@ class Traffic:
         w = self.spec
         history = prompt_tokens + output_tokens
         prompt = history + int(conv.new_tokens[k]) if k < conv.turns else 0
-        if k >= conv.turns or prompt > w.max_prompt_tokens:
+        ended = k >= conv.turns or prompt > w.max_prompt_tokens
+        gap_ms = float(conv.gaps[k - 1 if ended else k]) * 1e3
+        user = self._user_of.get(conv.cid)
+        if user is not None:  # round robin: queue this conversation's next turn, send the front one
+            queue = self._queues[user]
+            if not ended:
+                conv.next_turn = k + 1
+                queue.append((conv.cid, k + 1, prompt, int(conv.outputs[k]), history))
+            else:
+                conv.turns = k
+                if done_ms + gap_ms < w.duration_s * 1e3:
+                    a = self._new_conversation(w, self._user_rng, 0.0)
+                    self._user_of[a.conversation] = user
+                    queue.append(_pending(a))
+            if not queue:
+                return None
+            cid, turn, p, out, hist = queue.popleft()
+            return Arrival(cid, turn, p, out, hist, done_ms + gap_ms)
+        if ended:
             conv.turns = k
             if self._user_rng is not None:  # closed loop: this user's next conversation
-                start = done_ms + float(conv.gaps[k - 1]) * 1e3
+                start = done_ms + gap_ms
                 if start < w.duration_s * 1e3:
                     return self._new_conversation(w, self._user_rng, start)
             return None
         conv.next_turn = k + 1
-        return Arrival(conv.cid, k + 1, prompt, int(conv.outputs[k]), history,
-                       done_ms + float(conv.gaps[k]) * 1e3)
+        return Arrival(conv.cid, k + 1, prompt, int(conv.outputs[k]), history, done_ms + gap_ms)
 
     def _replay(self, df: pd.DataFrame) -> list[Arrival]:
         has_conv = "conversation_id" in df.columns
@@ -163,6 +194,11 @@ class Traffic:
             out.append(Arrival(c, turns[c], int(prompt), int(o), int(history), (arr - t0) * 1e3))
         self.horizon_ms = (float(df["arrival_s"].max()) - t0) * 1e3 if len(df) else 0.0
         return out
+
+
+def _pending(a: Arrival) -> tuple[int, int, int, int, int]:
+    """A queued turn: ``(conversation, turn, prompt, output, history)`` (its time comes when sent)."""
+    return (a.conversation, a.turn, a.prompt_tokens, a.output_tokens, a.history_tokens)
 
 
 def requests_from_spans(spans: pd.DataFrame) -> pd.DataFrame:
