@@ -32,6 +32,12 @@ gzip (detected by content), including rotated names such as ``spans.jsonl.1``.""
 _GLOB_CHARS = set("*?[")
 _GZIP_MAGIC = b"\x1f\x8b"
 _READ_CHUNK_BYTES = 1 << 16
+MAX_RECORD_BYTES = 64 * 2**20
+"""Longest line of a JSON-lines file, and largest whole ``.json`` document, read (64 MiB, plain or
+after gzip; an SDK batch of 512 spans is about 0.4 MB, Tempo's largest trace 5 MB by default). A
+longer record is refused, naming the file, the line and this limit, before it is held: a 1 MB
+``.jsonl.gz`` of zeros inflates to a 1 GB "line" (it took the loader to 2.2 GB), a 2 GB file
+without a newline to 4.3 GB. A ``.json`` file over the limit is read as JSON lines."""
 
 
 def resolve(source: SourceArg) -> list[Path | TempoSource]:
@@ -225,6 +231,13 @@ class _Reader:
             stream: IO[bytes] = gzip.GzipFile(fileobj=raw, mode="rb") if gz else raw
             if whole_doc:
                 data, cut = _read_all(stream, path, gz)
+                if cut is None and len(data) > MAX_RECORD_BYTES:
+                    # too large for one document: JSON lines, each line capped, read from the start
+                    del data
+                    raw.seek(0)
+                    stream = gzip.GzipFile(fileobj=raw, mode="rb") if gz else raw
+                    self._lines(stream, raw, path, gz, bar, src_idx)
+                    return
                 bar.update(raw.tell())
                 if cut is None:
                     self._json_file(data, source, src_idx)
@@ -238,20 +251,50 @@ class _Reader:
                         self.document(line, source, src_idx, lineno)
                 self._truncated(source, len(lines) + 1, cut)
                 return
-            last = 0
-            lineno = 0
-            try:
-                for lineno, line in enumerate(stream, 1):  # a cut stream raises before its partial line
-                    if line.strip():
-                        self.document(line, source, src_idx, lineno)
-                    pos = raw.tell()
-                    if pos != last:
-                        bar.update(pos - last)
-                        last = pos
-            except _GZIP_ERRORS as exc:
-                if not gz:
-                    raise TraceSourceError(f"{path}: cannot read: {exc}") from exc
-                self._truncated(source, lineno + 1, exc)
+            self._lines(stream, raw, path, gz, bar, src_idx)
+
+    def _lines(self, stream: IO[bytes], raw: IO[bytes], path: Path, gz: bool, bar: tqdm,
+               src_idx: int) -> None:
+        """Every line of ``stream``, each at most :data:`MAX_RECORD_BYTES`; a longer one is
+        refused (``skip_bad``: skipped to its end)."""
+        source = str(path)
+        lineno = 0
+        last = raw.tell()
+        try:
+            while True:
+                line = stream.readline(MAX_RECORD_BYTES + 1)  # a cut stream raises here
+                if not line:
+                    break
+                lineno += 1
+                if len(line) > MAX_RECORD_BYTES and not line.endswith(b"\n"):
+                    self._too_long(stream, source, lineno)
+                elif line.strip():
+                    self.document(line, source, src_idx, lineno)
+                pos = raw.tell()
+                if pos != last:
+                    bar.update(pos - last)
+                    last = pos
+        except _GZIP_ERRORS as exc:
+            if not gz:
+                raise TraceSourceError(f"{path}: cannot read: {exc}") from exc
+            self._truncated(source, lineno + 1, exc)
+
+    def _too_long(self, stream: IO[bytes], source: str, lineno: int) -> None:
+        """A line over :data:`MAX_RECORD_BYTES`: raise, or (``skip_bad``) read past its end
+        without holding it and record it as skipped."""
+        expected = (f"a line of at most {MAX_RECORD_BYTES} bytes (kvtune.traces.loader."
+                    f"MAX_RECORD_BYTES; an OTLP-JSON batch of 512 spans is about 0.4 MB)")
+        if not self.skip_bad:
+            raise TraceFormatError(source, "(line)", expected, line=lineno,
+                                   got=f"over {MAX_RECORD_BYTES} bytes without a newline")
+        skipped = MAX_RECORD_BYTES
+        while True:
+            rest = stream.readline(_READ_CHUNK_BYTES * 16)
+            skipped += len(rest)
+            if not rest or rest.endswith(b"\n"):
+                break
+        self.rows.skipped.append(Skipped(source, lineno, f"line of {skipped} bytes skipped: "
+                                                        f"expected {expected}"))
 
     def _truncated(self, source: str, line: int, cut: BaseException) -> None:
         """Records a gzip file that ends early (a rotation cut short, a copy in progress): the
@@ -318,12 +361,15 @@ _GZIP_ERRORS = (OSError, EOFError, zlib.error)
 
 
 def _read_all(stream: IO[bytes], path: Path, gz: bool) -> tuple[bytes, BaseException | None]:
-    """Everything ``stream`` yields, and the error that cut a gzip stream short (None if whole)."""
+    """What ``stream`` yields, up to just over :data:`MAX_RECORD_BYTES` (the caller tells a longer
+    file by the length), and the error that cut a gzip stream short (None if whole)."""
     chunks: list[bytes] = []
+    held = 0
     try:
         # read1: a cut stream loses at most the one piece being decompressed when it fails
-        while chunk := stream.read1(_READ_CHUNK_BYTES):
+        while held <= MAX_RECORD_BYTES and (chunk := stream.read1(_READ_CHUNK_BYTES)):
             chunks.append(chunk)
+            held += len(chunk)
     except _GZIP_ERRORS as exc:
         if not gz:
             raise TraceSourceError(f"{path}: cannot read: {exc}") from exc
