@@ -168,3 +168,37 @@ def test_a_trickling_server_is_cut_off_at_the_deadline(phase: str) -> None:
 def test_redact_hides_the_password_only() -> None:
     assert redact("http://u:pw@h:1/p?q=1") == "http://u:***@h:1/p?q=1"
     assert redact("http://h:1/p") == "http://h:1/p"
+
+
+def test_a_trace_tempo_answers_as_partial_is_said_never_silently() -> None:
+    """Tempo's v2 trace answer carries ``"status": "PARTIAL"`` when the trace exceeded its size
+    limit: the read keeps the spans it got and says so (a warning finding, the URL, Tempo's
+    message)."""
+    tid = "4bf92f3577b34da6a3ce929d0e0e4736"
+    span = {"traceId": tid, "spanId": "00f067aa0ba902b7", "name": "kv.rdma",
+            "startTimeUnixNano": "1000", "endTimeUnixNano": "2000"}
+    body = json.dumps({"trace": {"resourceSpans": [{"scopeSpans": [{"spans": [span]}]}]},
+                       "status": "PARTIAL",
+                       "message": "Trace exceeds maximum size of 5000000 bytes, a partial trace "
+                                  "is returned"}).encode()
+
+    class Partial(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            data = json.dumps({"traces": [{"traceID": tid}]}).encode() if self.path.startswith(
+                "/api/search") else body
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, *args) -> None:
+            pass
+
+    with serve(Partial) as tempo:
+        df = load(TempoSource(f"http://127.0.0.1:{tempo.server_port}", since_s=60))
+    (read,) = df.attrs["tempo_reads"]
+    assert len(df) == 1 and read.partial
+    (note,) = read.partial_answers
+    assert f"/api/v2/traces/{tid}" in note and "maximum size" in note
+    codes = {f["code"]: f for f in read.findings()}
+    assert codes["tempo_partial_answers"]["severity"] == "warning"

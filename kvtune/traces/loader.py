@@ -8,7 +8,7 @@ import gzip
 import logging
 import os
 import zlib
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import IO, Union
 
@@ -151,10 +151,29 @@ def _glob_match(pattern: list[str], parts: list[str]) -> bool:
 
 
 class _Reader:
-    """Decodes documents into a :class:`SpanRows`, raising or recording bad records."""
+    """Decodes documents into a :class:`SpanRows`, raising or recording bad records.
 
-    def __init__(self, rows: SpanRows, skip_bad: bool) -> None:
+    With ``flush`` the rows are handed over whenever they hold ``flush_spans`` spans or more (a
+    new :class:`SpanRows` sharing the sources and skipped lists takes their place): a streamed
+    read holds one chunk at a time (``kvtune.traces.reduce``)."""
+
+    def __init__(self, rows: SpanRows, skip_bad: bool, *,
+                 flush: Callable[[SpanRows], None] | None = None, flush_spans: int = 0) -> None:
         self.rows, self.skip_bad = rows, skip_bad
+        self.flush, self.flush_spans = flush, flush_spans
+        self.flushed_spans = 0
+        """Spans handed to ``flush`` so far."""
+
+    def maybe_flush(self, *, force: bool = False) -> None:
+        if self.flush is None or not len(self.rows) or (
+                not force and len(self.rows) < self.flush_spans):
+            return
+        old = self.rows
+        self.flushed_spans += len(old)
+        self.rows = SpanRows()
+        self.rows.sources, self.rows.skipped, self.rows.tempo_reads = (
+            old.sources, old.skipped, old.tempo_reads)
+        self.flush(old)
 
     def document(self, data: bytes, source: str, src_idx: int, line: int | None) -> None:
         try:
@@ -172,6 +191,7 @@ class _Reader:
             if not self.skip_bad:
                 raise
             self.rows.skipped.append(Skipped(source, line, str(exc)))
+        self.maybe_flush()
 
     def _salvage(self, data: bytes, source: str, line: int | None,
                  reason: str) -> otlp_json.TraceDocument | None:
@@ -330,6 +350,8 @@ class _Reader:
     def tempo(self, src: TempoSource, bar: tqdm) -> None:
         found = src.search()
         first_row, fetched = len(self.rows), 0
+        first_flushed = self.flushed_spans
+        partial: list[str] = []
         for url, body in src.documents(found):
             src_idx = self.rows.source_index(url)
             try:
@@ -348,8 +370,16 @@ class _Reader:
                                        f"trace ({exc})") from None
             fetched += 1
             bar.update(len(body))
-        read = TempoRead(found, traces_fetched=fetched, spans_read=len(self.rows) - first_row,
-                         one_sided_transfers=one_sided_transfers(self.rows, first_row))
+            note = otlp_json.tempo_partial(body)
+            if note is not None:
+                partial.append(f"{url}: {note}"[:500])
+        # a streamed read (chunks flushed) counts one-sided transfers in the store instead
+        flushed = self.flushed_spans - first_flushed
+        read = TempoRead(found, traces_fetched=fetched,
+                         spans_read=flushed + len(self.rows) - (0 if flushed else first_row),
+                         one_sided_transfers=one_sided_transfers(self.rows, 0 if flushed
+                                                                 else first_row),
+                         partial_answers=tuple(partial))
         self.rows.tempo_reads.append(read)
         _logger.info("%s", read.summary())
         for f in read.findings()[1:]:
@@ -409,11 +439,16 @@ def _scope_spans(rs: dict) -> Iterator[dict]:
             yield from (x for x in rs[key] if isinstance(x, dict))
 
 
-def read_spans(source: SourceArg, *, skip_bad: bool = False, progress: bool | None = None) -> SpanRows:
-    """Decodes every record of ``source`` into a :class:`SpanRows` (no frame, no clock correction)."""
+def read_spans(source: SourceArg, *, skip_bad: bool = False, progress: bool | None = None,
+               flush: Callable[[SpanRows], None] | None = None,
+               flush_spans: int = 0) -> SpanRows:
+    """Decodes every record of ``source`` into a :class:`SpanRows` (no frame, no clock correction).
+
+    With ``flush``, chunks of at least ``flush_spans`` spans are handed to it as they fill, and
+    the last (possibly empty) chunk is returned."""
     resolved = resolve(source)
     rows = SpanRows()
-    reader = _Reader(rows, skip_bad)
+    reader = _Reader(rows, skip_bad, flush=flush, flush_spans=flush_spans)
     total = sum(p.stat().st_size for p in resolved if isinstance(p, Path))
     only_files = all(isinstance(p, Path) for p in resolved)
     with tqdm(total=total if only_files else None, unit="B", unit_scale=True, desc="loading spans",
@@ -423,7 +458,7 @@ def read_spans(source: SourceArg, *, skip_bad: bool = False, progress: bool | No
                 reader.tempo(item, bar)
             else:
                 reader.file(item, bar)
-    return rows
+    return reader.rows
 
 
 def load(source: SourceArg, *, skip_bad: bool = False, correct_clocks: bool = True,

@@ -137,10 +137,14 @@ class TempoRead:
     one_sided_transfers: int = 0
     """Transfers (``kv.transfer_id``) with an initiator ``kv.rdma`` span and no target ``kv.notify``
     or the reverse: a sign that Tempo answered part of the traces (still ingesting, blocks missed)."""
+    partial_answers: tuple[str, ...] = ()
+    """``URL: message`` of each trace Tempo itself answered as partial (``"status": "PARTIAL"``:
+    the trace exceeded its ``max_bytes_per_trace``)."""
 
     @property
     def partial(self) -> bool:
-        return bool(self.search.cut_short) or self.one_sided_transfers > 0
+        return bool(self.search.cut_short) or self.one_sided_transfers > 0 or bool(
+            self.partial_answers)
 
     def summary(self) -> str:
         s = self.search
@@ -159,6 +163,13 @@ class TempoRead:
             out.append({"code": "tempo_search_cut_short", "severity": "warning",
                         "message": f"the Tempo search was cut short, traces in the range may be "
                                    f"missing: {'; '.join(s.cut_short)}", "evidence": evidence})
+        if self.partial_answers:
+            out.append({"code": "tempo_partial_answers", "severity": "warning",
+                        "message": f"Tempo answered {len(self.partial_answers)} trace(s) as "
+                                   f"partial (their spans beyond Tempo's size limit are missing): "
+                                   f"{'; '.join(self.partial_answers[:3])}"
+                                   + (" ..." if len(self.partial_answers) > 3 else ""),
+                        "evidence": evidence})
         if self.one_sided_transfers:
             out.append({"code": "tempo_partial_traces", "severity": "warning",
                         "message": f"{self.one_sided_transfers} transfer(s) read from Tempo have "
@@ -174,7 +185,8 @@ class TempoRead:
                 "range_from": s.range_from, "limit": s.limit, "requests": s.requests,
                 "windows": s.windows, "traces_found": len(s.trace_ids),
                 "traces_fetched": self.traces_fetched, "spans_read": self.spans_read,
-                "one_sided_transfers": self.one_sided_transfers, "cut_short": list(s.cut_short)}
+                "one_sided_transfers": self.one_sided_transfers, "cut_short": list(s.cut_short),
+                "partial_answers": list(self.partial_answers)}
 
 
 def _iso(unix_s: int) -> str:
