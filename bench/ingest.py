@@ -11,7 +11,7 @@ subset. Then, in fresh subprocesses one after the other:
 - ``streamed``: ``kvtune.analysis.reduced.reduce_source(all parts, max_spans=--max-spans,
   max_transfers=--max-transfers)`` (a sample of whole conversations as the spans frame, the fits
   reading a larger sample chunk by chunk) and ``kvtune.recommend.recommend`` on it: wall time,
-  spans read per second, peak RSS (``ru_maxrss``), the recommendation;
+  spans read per second, peak RSS (``VmHWM``), the recommendation;
 - ``subset``: ``kvtune.traces.load(part 0)`` (every span of the subset in one frame) and
   ``recommend``: the same.
 
@@ -27,7 +27,6 @@ import argparse
 import json
 import math
 import os
-import resource
 import shutil
 import subprocess
 import sys
@@ -254,7 +253,9 @@ def _child(kind: str, max_spans: int, max_transfers: int, dirs: list[str]) -> No
     read_wall = time.perf_counter() - t
     tuning = recommend(df)
     wall, cpu = time.perf_counter() - t, time.process_time() - cpu
-    peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
+    # VmHWM: this process image's own peak (ru_maxrss keeps the forking parent's across exec)
+    hwm = next(line for line in open("/proc/self/status") if line.startswith("VmHWM:"))
+    peak_kib = int(hwm.split()[1])
     print(json.dumps({"kind": kind, "spans_read": spans_read, "spans_analyzed": len(df),
                       "read_wall_s": read_wall, "wall_s": wall, "cpu_s": cpu,
                       "peak_rss_mib": peak_kib / 1024,

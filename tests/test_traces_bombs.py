@@ -1,6 +1,6 @@
 """Decompression and line-length bombs against the trace loader (issue 29): each is refused with an
 error naming the file, the line and the limit, and the loader's peak memory stays under
-:data:`PEAK_LIMIT_MIB`, measured in a fresh subprocess (``ru_maxrss``) so that nothing this test
+:data:`PEAK_LIMIT_MIB`, measured in a fresh subprocess (its ``VmHWM``) so that nothing this test
 process holds counts.
 """
 from __future__ import annotations
@@ -23,7 +23,7 @@ GOOD_LINE = (json.dumps({"resourceSpans": [{"resource": {"attributes": []}, "sco
                "startTimeUnixNano": "1", "endTimeUnixNano": "2"}]}]}]}) + "\n").encode()
 
 CHILD = r"""
-import json, resource, sys
+import json, sys
 from kvtune.errors import KvtuneError
 from kvtune.traces import load
 try:
@@ -31,7 +31,9 @@ try:
     out = {"spans": len(df), "skipped": df.attrs["skipped"]}
 except KvtuneError as exc:
     out = {"error": type(exc).__name__, "message": str(exc)}
-out["peak_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+# VmHWM: this process image's own peak (ru_maxrss keeps the forking parent's across exec)
+hwm = next(l for l in open("/proc/self/status") if l.startswith("VmHWM:"))
+out["peak_mib"] = int(hwm.split()[1]) / 1024
 print(json.dumps(out))
 """
 

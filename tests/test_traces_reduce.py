@@ -151,3 +151,25 @@ def test_the_fits_read_a_larger_sample_and_the_recommendation_says_so():
     assert tuning.fit.n_transfers == recommend(full, n_boot=20).fit.n_transfers
     (f,) = [f for f in tuning.findings if f.code == "spans_sampled"]
     assert "fits read" in f.message and tuning.extra["sample"]["share"] < 1
+
+
+def test_read_loads_small_sources_whole_and_reduces_under_a_cap(monkeypatch):
+    from kvtune.analysis.reduced import MAX_SPANS_ENV, read
+    from kvtune.nb import load_spans
+
+    monkeypatch.delenv(MAX_SPANS_ENV, raising=False)
+    assert "sample" not in read(str(EXAMPLE)).attrs
+    monkeypatch.setenv(MAX_SPANS_ENV, "60")
+    df = load_spans(str(EXAMPLE))  # what every notebook calls
+    assert df.attrs["sample"].max_spans == 60 and not df.attrs["sample"].complete
+    monkeypatch.setenv(MAX_SPANS_ENV, "lots")
+    with pytest.raises(TraceSourceError, match=MAX_SPANS_ENV):
+        read(str(EXAMPLE))
+
+
+def test_tune_max_spans_needs_traces_and_a_positive_count(capsys):
+    from kvtune.cli import main
+
+    assert main(["tune", "--max-spans", "1000"]) == 2
+    assert main(["tune", "--traces", str(EXAMPLE), "--max-spans", "0"]) == 2
+    assert capsys.readouterr().err.count("--max-spans") == 2
