@@ -36,35 +36,37 @@ def serve(handler: type[BaseHTTPRequestHandler]) -> Iterator[ThreadingHTTPServer
         server.server_close()
 
 
+class Quiet(BaseHTTPRequestHandler):
+    """A handler that logs nothing and answers with :meth:`reply`."""
+
+    def reply(self, data: bytes, status: int = 200, **headers: str) -> None:
+        self.send_response(status)
+        for k, v in headers.items():
+            self.send_header(k, v)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *args) -> None:
+        pass
+
+
 def recorder() -> type[BaseHTTPRequestHandler]:
-    class Recorder(BaseHTTPRequestHandler):
+    class Recorder(Quiet):
         seen: list[dict[str, str]] = []
 
         def do_GET(self) -> None:
             type(self).seen.append(dict(self.headers))
-            self.send_response(200)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(SEARCH)))
-            self.end_headers()
-            self.wfile.write(SEARCH)
-
-        def log_message(self, *args) -> None:
-            pass
+            self.reply(SEARCH)
 
     return Recorder
 
 
 def redirector(target: str) -> type[BaseHTTPRequestHandler]:
     """Answers every request under /api with a 302 to ``target`` + the path."""
-    class Redirect(BaseHTTPRequestHandler):
+    class Redirect(Quiet):
         def do_GET(self) -> None:
-            self.send_response(302)
-            self.send_header("Location", target + self.path)
-            self.send_header("Content-Length", "0")
-            self.end_headers()
-
-        def log_message(self, *args) -> None:
-            pass
+            self.reply(b"", 302, Location=target + self.path)
 
     return Redirect
 
@@ -84,24 +86,15 @@ def test_a_redirect_to_another_origin_is_refused_and_carries_nothing_there() -> 
 
 
 def test_a_redirect_within_the_origin_is_followed_with_the_headers() -> None:
-    class SameOrigin(BaseHTTPRequestHandler):
+    class SameOrigin(Quiet):
         seen: list[tuple[str, str | None]] = []
 
         def do_GET(self) -> None:
             type(self).seen.append((self.path, self.headers.get("Authorization")))
             if self.path.startswith("/api/"):
-                self.send_response(307)
-                self.send_header("Location", "/tempo" + self.path)
-                self.send_header("Content-Length", "0")
-                self.end_headers()
-                return
-            self.send_response(200)
-            self.send_header("Content-Length", str(len(SEARCH)))
-            self.end_headers()
-            self.wfile.write(SEARCH)
-
-        def log_message(self, *args) -> None:
-            pass
+                self.reply(b"", 307, Location="/tempo" + self.path)
+            else:
+                self.reply(SEARCH)
 
     with serve(SameOrigin) as tempo:
         df = load(TempoSource(f"http://127.0.0.1:{tempo.server_port}",
@@ -182,17 +175,10 @@ def test_a_trace_tempo_answers_as_partial_is_said_never_silently() -> None:
                        "message": "Trace exceeds maximum size of 5000000 bytes, a partial trace "
                                   "is returned"}).encode()
 
-    class Partial(BaseHTTPRequestHandler):
+    class Partial(Quiet):
         def do_GET(self) -> None:
-            data = json.dumps({"traces": [{"traceID": tid}]}).encode() if self.path.startswith(
-                "/api/search") else body
-            self.send_response(200)
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-
-        def log_message(self, *args) -> None:
-            pass
+            self.reply(json.dumps({"traces": [{"traceID": tid}]}).encode()
+                       if self.path.startswith("/api/search") else body)
 
     with serve(Partial) as tempo:
         df = load(TempoSource(f"http://127.0.0.1:{tempo.server_port}", since_s=60))
