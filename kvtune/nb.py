@@ -72,13 +72,15 @@ def published_values(nb_json: dict) -> dict[str, Any]:
 
 
 def load_spans(source: str, **kwargs: Any):
-    """Load spans for a notebook; ``source`` may be several comma-separated sources."""
-    from kvtune.traces import load
+    """Load spans for a notebook; ``source`` may be several comma-separated sources. A large
+    source (or one read under `kvtune tune --max-spans`) is reduced to a sample in bounded memory
+    (``kvtune.analysis.reduced.read``): the notebooks draw the reduced frame."""
+    from kvtune.analysis.reduced import read
     parts = [s for s in str(source).split(",") if s] if "://" not in str(source) else [source]
     if not parts:
         from kvtune.errors import ConfigError
         raise ConfigError("parameter 'traces': empty; give a file, directory, glob or Tempo URL")
-    return load(parts if len(parts) > 1 else parts[0], **kwargs)
+    return read(parts if len(parts) > 1 else parts[0], **kwargs)
 
 
 def geometry(model: str, tp_size: int = 1):

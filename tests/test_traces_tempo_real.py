@@ -1,9 +1,11 @@
 """Against a real Grafana Tempo: kvtune's spans in over OTLP/HTTP, the Tempo source and every
 dashboard panel's query out.
 
-Runs when ``KVTUNE_TEMPO_BIN`` names a Tempo binary (skipped otherwise, saying so). Tempo runs as
-one process with ``dashboards/tempo.yaml``'s settings, its storage in a temporary directory and
-every listener on 127.0.0.1. The spans are those of the real vLLM pairs under
+Runs when ``KVTUNE_TEMPO_BIN`` names one or more Tempo binaries, separated by ``:`` (skipped
+otherwise, saying so); every test runs against each of them. Each Tempo runs as one process with
+the shipped configuration of its major version (``dashboards/tempo.yaml`` for 2.x,
+``dashboards/tempo-3.yaml`` for 3.x), its storage in a temporary directory and every listener on
+127.0.0.1. The spans are those of the real vLLM pairs under
 ``examples/stalls/*-default`` (push, pull, bidirectional), moved in time so they end now (Tempo's
 metrics generator only takes spans from the last seconds).
 
@@ -43,14 +45,30 @@ EXAMPLES = sorted((ROOT / "examples" / "stalls").glob("*-default/spans"))
 READY_TIMEOUT_S = 180.0
 INGEST_TIMEOUT_S = 120.0
 
+BINARIES = [b for b in os.environ.get(TEMPO_ENV, "").split(os.pathsep) if b]
+CONFIGS = {2: ROOT / "dashboards" / "tempo.yaml", 3: ROOT / "dashboards" / "tempo-3.yaml"}
+"""The shipped single-binary configuration of each supported Tempo major version."""
+
 pytestmark = pytest.mark.skipif(
-    not os.environ.get(TEMPO_ENV) or not os.access(os.environ.get(TEMPO_ENV, ""), os.X_OK),
-    reason=f"set {TEMPO_ENV} to a Tempo binary (built from grafana/tempo's source) to run these")
+    not BINARIES or not all(os.access(b, os.X_OK) for b in BINARIES),
+    reason=f"set {TEMPO_ENV} to one or more Tempo binaries (built from grafana/tempo's source), "
+           f"separated by ':', to run these")
 
 
-def tempo_config(root: Path, *, fast_flush: bool = False) -> tuple[dict, dict[str, int]]:
-    """``dashboards/tempo.yaml`` with storage under ``root`` and every listener on 127.0.0.1."""
-    cfg = yaml.safe_load((ROOT / "dashboards" / "tempo.yaml").read_text(encoding="utf-8"))
+def binary_version(binary: str) -> str:
+    """``3.0.3`` from ``tempo --version`` (``tempo, version 3.0.3 (branch: ...)``)."""
+    out = subprocess.run([binary, "--version"], capture_output=True, text=True, timeout=60)
+    for line in (out.stdout + out.stderr).splitlines():
+        if line.startswith("tempo, version "):
+            return line.split()[2]
+    raise AssertionError(f"{binary} --version: no version in {out.stdout!r} {out.stderr!r}")
+
+
+def tempo_config(root: Path, *, major: int = 2, fast_flush: bool = False
+                 ) -> tuple[dict, dict[str, int]]:
+    """The shipped configuration of Tempo ``major`` with storage under ``root`` and every
+    listener on 127.0.0.1."""
+    cfg = yaml.safe_load(CONFIGS[major].read_text(encoding="utf-8"))
     ports = {k: free_port() for k in ("http", "grpc", "otlp_http", "otlp_grpc", "memberlist")}
     cfg["server"].update({"http_listen_address": "127.0.0.1", "http_listen_port": ports["http"],
                           "grpc_listen_address": "127.0.0.1", "grpc_listen_port": ports["grpc"]})
@@ -60,20 +78,30 @@ def tempo_config(root: Path, *, fast_flush: bool = False) -> tuple[dict, dict[st
     cfg["memberlist"] = {"bind_addr": ["127.0.0.1"], "bind_port": ports["memberlist"],
                          "advertise_addr": "127.0.0.1", "join_members": []}
     ring = {"kvstore": {"store": "inmemory"}}
-    cfg.setdefault("ingester", {})["lifecycler"] = {"address": "127.0.0.1", "ring": {
-        **ring, "replication_factor": 1}}
     cfg["metrics_generator"]["ring"] = {**ring, "instance_addr": "127.0.0.1"}
-    cfg["compactor"]["ring"] = {**ring, "instance_addr": "127.0.0.1"}
+    if major == 2:
+        cfg.setdefault("ingester", {})["lifecycler"] = {"address": "127.0.0.1", "ring": {
+            **ring, "replication_factor": 1}}
+        cfg["compactor"]["ring"] = {**ring, "instance_addr": "127.0.0.1"}
+        cfg["metrics_generator"]["traces_storage"]["path"] = str(root / "generator" / "traces")
+    else:
+        live = cfg["live_store"]
+        live["ring"] = {**ring, "instance_addr": "127.0.0.1"}
+        live["partition_ring"] = ring
+        live["wal"]["path"] = str(root / "live-store" / "traces")
+        live["shutdown_marker_dir"] = str(root / "live-store" / "shutdown-marker")
+        cfg["backend_scheduler"] = {"local_work_path": str(root / "backend-scheduler")}
+        cfg["backend_worker"]["ring"] = {**ring, "instance_addr": "127.0.0.1"}
     cfg["querier"] = {"frontend_worker": {"frontend_address": f"127.0.0.1:{ports['grpc']}"}}
     cfg["usage_report"] = {"reporting_enabled": False}
     # the spans are replayed minutes after they ended: the metrics generator's default slack (30 s
     # before now) would drop most of them from the TraceQL metrics
     cfg["metrics_generator"]["metrics_ingestion_time_range_slack"] = "1h"
-    gen_storage = cfg["metrics_generator"]
-    gen_storage["storage"]["path"] = str(root / "generator" / "wal")
-    gen_storage["traces_storage"]["path"] = str(root / "generator" / "traces")
+    cfg["metrics_generator"]["storage"]["path"] = str(root / "generator" / "wal")
     cfg["storage"]["trace"]["wal"]["path"] = str(root / "wal")
     cfg["storage"]["trace"]["local"]["path"] = str(root / "blocks")
+    if fast_flush and major != 2:
+        pytest.skip(f"{RECORD_ENV}: recording is written for Tempo 2.x (ingester timings)")
     if fast_flush:  # recording only: blocks leave the ingesters within a minute, not 20, and
         # searches with a range read the backend at once (not after 15 minutes)
         cfg["ingester"].update({"max_block_duration": "5s", "complete_block_timeout": "45s",
@@ -85,7 +113,9 @@ def tempo_config(root: Path, *, fast_flush: bool = False) -> tuple[dict, dict[st
 
 class RealTempo:
     def __init__(self, binary: str, root: Path, *, fast_flush: bool = False) -> None:
-        self.cfg, self.ports = tempo_config(root, fast_flush=fast_flush)
+        self.binary_version = binary_version(binary)
+        self.major = int(self.binary_version.split(".")[0])
+        self.cfg, self.ports = tempo_config(root, major=self.major, fast_flush=fast_flush)
         self.root = root
         self.config_path = root / "tempo.yaml"
         self.config_path.write_text(yaml.safe_dump(self.cfg), encoding="utf-8")
@@ -243,11 +273,11 @@ def evaluator_labels(result) -> set[tuple[tuple[str, str], ...]]:
     return {tuple(sorted((c, str(r[c])) for c in label_cols)) for _, r in result.iterrows()}
 
 
-@pytest.fixture(scope="module")
-def real_tempo(tmp_path_factory) -> Iterator[tuple[RealTempo, list[dict], Path]]:
+@pytest.fixture(scope="module", params=BINARIES or [""], ids=lambda b: Path(b).name or "none")
+def real_tempo(request, tmp_path_factory) -> Iterator[tuple[RealTempo, list[dict], Path]]:
     root = tmp_path_factory.mktemp("tempo")
     record = os.environ.get(RECORD_ENV)
-    tempo = RealTempo(os.environ[TEMPO_ENV], root, fast_flush=bool(record))
+    tempo = RealTempo(request.param, root, fast_flush=bool(record))
     try:
         tempo.wait_ready()
         now = int(time.time())

@@ -62,6 +62,11 @@ class Workload:
     turns_per_conversation: tuple[int, ...] = field(default=(), repr=False)
     """Turns of each conversation (1 for a request without a conversation id)."""
     source: str = ""
+    sampled_share: float = 1.0
+    """Share of the source's conversations these requests are (a reduced read keeps whole
+    conversations, ``kvtune.traces.reduce``); ``qps`` and ``duration_s`` are scaled by it, so that
+    sums over the gaps per second of ``duration_s`` (retained memory) and the request rate are
+    the whole source's."""
 
     def as_dict(self) -> dict:
         return {
@@ -75,6 +80,7 @@ class Workload:
             "gap_s_p90": float(np.quantile(self.gaps_s, 0.9)) if self.gaps_s else None,
             "reuse_outcomes": dict(self.reuse_outcomes), "duration_s": self.duration_s,
             "n_conversations": self.n_conversations, "source": self.source,
+            "sampled_share": self.sampled_share,
         }
 
 
@@ -147,9 +153,13 @@ def workload(spans: pd.DataFrame) -> Workload:
                             "kvtune.traces.load")
     req, source = _requests(spans)
     n = len(req)
+    sample = spans.attrs.get("sample")
+    share = float(getattr(sample, "share", 1.0) or 1.0)
     starts = req["start_ns"].to_numpy(dtype=np.int64)
-    duration_s = float(starts.max() - starts.min()) / 1e9 if n else 0.0
-    end_s = float(req["end_ns"].max() - starts.min()) / 1e9 if n else 0.0
+    # a sample of the conversations spans the whole time at a fraction of the rate: as many
+    # requests in share x the time is the source's rate
+    duration_s = float(starts.max() - starts.min()) / 1e9 * share if n else 0.0
+    end_s = float(req["end_ns"].max() - starts.min()) / 1e9 * share if n else 0.0
     qps = n / duration_s if duration_s > 0 else math.nan
     prompts = req["prompt"].dropna().to_numpy(dtype=float)
     outputs = req["output"].dropna().to_numpy(dtype=float)
@@ -197,4 +207,4 @@ def workload(spans: pd.DataFrame) -> Workload:
         gaps_s=tuple(gaps), reuse_outcomes=outcomes, duration_s=end_s,
         n_conversations=len(turns), gap_tokens=tuple(gap_tokens), final_tokens=tuple(final_tokens),
         prompt_tokens=tuple(int(p) for p in prompts), requests=tuple(per_request),
-        turns_per_conversation=tuple(int(t) for t in turns), source=source)
+        turns_per_conversation=tuple(int(t) for t in turns), source=source, sampled_share=share)

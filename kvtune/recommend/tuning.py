@@ -205,7 +205,9 @@ def recommend(spans: pd.DataFrame, *, geometry: Any = None,
             f"and the prefill cost are read from the {split.main} spans, the fabric fit from "
             f"every mode's transfers; each mode's measured TTFT stands in the mode comparison",
             {"requests": split.requests, "main": split.main}))
-    tr = transfers_table(traced)
+    # A reduced read (kvtune.analysis.reduced): the fits read a larger sample than the frame.
+    fit_in = traced.attrs.get("fit_inputs")
+    tr = fit_in.transfers if fit_in is not None else transfers_table(traced)
     fabrics = sorted(set(tr["fabric"].dropna().astype(str)))
     if fabric is None and len(fabrics) > 1:
         serving = tr[(tr["mode"].astype("object") != "probe").to_numpy(dtype=bool)]
@@ -227,14 +229,16 @@ def recommend(spans: pd.DataFrame, *, geometry: Any = None,
     fit, fit_source, f = _fit_with_probe_fallback(tr, n_boot=n_boot, seed=seed, fabric=fabric,
                                                   op=op, source=source)
     findings += f
-    prefill_from = spans
+    pre_main, pre_all = ((fit_in.prefill_of(split.main), fit_in.prefill_spans)
+                         if fit_in is not None else (spans, traced))
+    prefill_from = pre_main
     try:
-        pc: PrefillCost = prefill_cost(spans)
+        pc: PrefillCost = prefill_cost(pre_main)
     except AnalysisError:
-        if spans is traced:
+        if pre_main is pre_all:
             raise
-        prefill_from = traced
-        pc = prefill_cost(traced)  # too few of the main mode's prefills: every mode's
+        prefill_from = pre_all
+        pc = prefill_cost(pre_all)  # too few of the main mode's prefills: every mode's
     wl: Workload = workload_of(spans)
     bpt, dpt, bpt_from = bytes_per_token_of(tr, geometry)
     if max_context_tokens is None:
@@ -294,6 +298,9 @@ def recommend(spans: pd.DataFrame, *, geometry: Any = None,
     findings += readiness(tr, traced, fit=fit, workload=wl, fabric=fabric)
     # What each Tempo source read (range, traces, spans) and whether its search was cut short.
     findings += [Finding(**f) for r in traced.attrs.get("tempo_reads", ()) for f in r.findings()]
+    # A reduced read (kvtune.traces.reduce): what was sampled and how much wider the intervals are.
+    sample = traced.attrs.get("sample")
+    findings += [Finding(**f) for f in sample.findings()] if sample is not None else []
     extra = {
         "workload": wl.as_dict(), "prefill_cost": pc.as_dict(), "n_transfers": int(len(tr)),
         "bytes_per_token": bpt, "descriptors_per_token": dpt, "bytes_per_token_from": bpt_from,
@@ -305,5 +312,7 @@ def recommend(spans: pd.DataFrame, *, geometry: Any = None,
         "versions": versions_in(traced), "requests_by_mode": split.requests,
         "measured_ttft_ms": {m: v.as_dict() for m, v in measured.items()},
     }
+    if sample is not None:
+        extra["sample"] = sample.as_dict()
     return Tuning(threshold=thr, ttl=ttl, mode=mode, findings=tuple(findings), fit=fit,
                   source=source, span_count=int(len(traced)), extra=extra)

@@ -8,7 +8,7 @@ import gzip
 import logging
 import os
 import zlib
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import IO, Union
 
@@ -32,6 +32,12 @@ gzip (detected by content), including rotated names such as ``spans.jsonl.1``.""
 _GLOB_CHARS = set("*?[")
 _GZIP_MAGIC = b"\x1f\x8b"
 _READ_CHUNK_BYTES = 1 << 16
+MAX_RECORD_BYTES = 64 * 2**20
+"""Longest line of a JSON-lines file, and largest whole ``.json`` document, read (64 MiB, plain or
+after gzip; an SDK batch of 512 spans is about 0.4 MB, Tempo's largest trace 5 MB by default). A
+longer record is refused, naming the file, the line and this limit, before it is held: a 1 MB
+``.jsonl.gz`` of zeros inflates to a 1 GB "line" (it took the loader to 2.2 GB), a 2 GB file
+without a newline to 4.3 GB. A ``.json`` file over the limit is read as JSON lines."""
 
 
 def resolve(source: SourceArg) -> list[Path | TempoSource]:
@@ -145,10 +151,29 @@ def _glob_match(pattern: list[str], parts: list[str]) -> bool:
 
 
 class _Reader:
-    """Decodes documents into a :class:`SpanRows`, raising or recording bad records."""
+    """Decodes documents into a :class:`SpanRows`, raising or recording bad records.
 
-    def __init__(self, rows: SpanRows, skip_bad: bool) -> None:
+    With ``flush`` the rows are handed over whenever they hold ``flush_spans`` spans or more (a
+    new :class:`SpanRows` sharing the sources and skipped lists takes their place): a streamed
+    read holds one chunk at a time (``kvtune.traces.reduce``)."""
+
+    def __init__(self, rows: SpanRows, skip_bad: bool, *,
+                 flush: Callable[[SpanRows], None] | None = None, flush_spans: int = 0) -> None:
         self.rows, self.skip_bad = rows, skip_bad
+        self.flush, self.flush_spans = flush, flush_spans
+        self.flushed_spans = 0
+        """Spans handed to ``flush`` so far."""
+
+    def maybe_flush(self, *, force: bool = False) -> None:
+        if self.flush is None or not len(self.rows) or (
+                not force and len(self.rows) < self.flush_spans):
+            return
+        old = self.rows
+        self.flushed_spans += len(old)
+        self.rows = SpanRows()
+        self.rows.sources, self.rows.skipped, self.rows.tempo_reads = (
+            old.sources, old.skipped, old.tempo_reads)
+        self.flush(old)
 
     def document(self, data: bytes, source: str, src_idx: int, line: int | None) -> None:
         try:
@@ -166,6 +191,7 @@ class _Reader:
             if not self.skip_bad:
                 raise
             self.rows.skipped.append(Skipped(source, line, str(exc)))
+        self.maybe_flush()
 
     def _salvage(self, data: bytes, source: str, line: int | None,
                  reason: str) -> otlp_json.TraceDocument | None:
@@ -225,6 +251,13 @@ class _Reader:
             stream: IO[bytes] = gzip.GzipFile(fileobj=raw, mode="rb") if gz else raw
             if whole_doc:
                 data, cut = _read_all(stream, path, gz)
+                if cut is None and len(data) > MAX_RECORD_BYTES:
+                    # too large for one document: JSON lines, each line capped, read from the start
+                    del data
+                    raw.seek(0)
+                    stream = gzip.GzipFile(fileobj=raw, mode="rb") if gz else raw
+                    self._lines(stream, raw, path, gz, bar, src_idx)
+                    return
                 bar.update(raw.tell())
                 if cut is None:
                     self._json_file(data, source, src_idx)
@@ -238,20 +271,50 @@ class _Reader:
                         self.document(line, source, src_idx, lineno)
                 self._truncated(source, len(lines) + 1, cut)
                 return
-            last = 0
-            lineno = 0
-            try:
-                for lineno, line in enumerate(stream, 1):  # a cut stream raises before its partial line
-                    if line.strip():
-                        self.document(line, source, src_idx, lineno)
-                    pos = raw.tell()
-                    if pos != last:
-                        bar.update(pos - last)
-                        last = pos
-            except _GZIP_ERRORS as exc:
-                if not gz:
-                    raise TraceSourceError(f"{path}: cannot read: {exc}") from exc
-                self._truncated(source, lineno + 1, exc)
+            self._lines(stream, raw, path, gz, bar, src_idx)
+
+    def _lines(self, stream: IO[bytes], raw: IO[bytes], path: Path, gz: bool, bar: tqdm,
+               src_idx: int) -> None:
+        """Every line of ``stream``, each at most :data:`MAX_RECORD_BYTES`; a longer one is
+        refused (``skip_bad``: skipped to its end)."""
+        source = str(path)
+        lineno = 0
+        last = raw.tell()
+        try:
+            while True:
+                line = stream.readline(MAX_RECORD_BYTES + 1)  # a cut stream raises here
+                if not line:
+                    break
+                lineno += 1
+                if len(line) > MAX_RECORD_BYTES and not line.endswith(b"\n"):
+                    self._too_long(stream, source, lineno)
+                elif line.strip():
+                    self.document(line, source, src_idx, lineno)
+                pos = raw.tell()
+                if pos != last:
+                    bar.update(pos - last)
+                    last = pos
+        except _GZIP_ERRORS as exc:
+            if not gz:
+                raise TraceSourceError(f"{path}: cannot read: {exc}") from exc
+            self._truncated(source, lineno + 1, exc)
+
+    def _too_long(self, stream: IO[bytes], source: str, lineno: int) -> None:
+        """A line over :data:`MAX_RECORD_BYTES`: raise, or (``skip_bad``) read past its end
+        without holding it and record it as skipped."""
+        expected = (f"a line of at most {MAX_RECORD_BYTES} bytes (kvtune.traces.loader."
+                    f"MAX_RECORD_BYTES; an OTLP-JSON batch of 512 spans is about 0.4 MB)")
+        if not self.skip_bad:
+            raise TraceFormatError(source, "(line)", expected, line=lineno,
+                                   got=f"over {MAX_RECORD_BYTES} bytes without a newline")
+        skipped = MAX_RECORD_BYTES
+        while True:
+            rest = stream.readline(_READ_CHUNK_BYTES * 16)
+            skipped += len(rest)
+            if not rest or rest.endswith(b"\n"):
+                break
+        self.rows.skipped.append(Skipped(source, lineno, f"line of {skipped} bytes skipped: "
+                                                        f"expected {expected}"))
 
     def _truncated(self, source: str, line: int, cut: BaseException) -> None:
         """Records a gzip file that ends early (a rotation cut short, a copy in progress): the
@@ -287,6 +350,8 @@ class _Reader:
     def tempo(self, src: TempoSource, bar: tqdm) -> None:
         found = src.search()
         first_row, fetched = len(self.rows), 0
+        first_flushed = self.flushed_spans
+        partial: list[str] = []
         for url, body in src.documents(found):
             src_idx = self.rows.source_index(url)
             try:
@@ -305,8 +370,16 @@ class _Reader:
                                        f"trace ({exc})") from None
             fetched += 1
             bar.update(len(body))
-        read = TempoRead(found, traces_fetched=fetched, spans_read=len(self.rows) - first_row,
-                         one_sided_transfers=one_sided_transfers(self.rows, first_row))
+            note = otlp_json.tempo_partial(body)
+            if note is not None:
+                partial.append(f"{url}: {note}"[:500])
+        # a streamed read (chunks flushed) counts one-sided transfers in the store instead
+        flushed = self.flushed_spans - first_flushed
+        read = TempoRead(found, traces_fetched=fetched,
+                         spans_read=flushed + len(self.rows) - (0 if flushed else first_row),
+                         one_sided_transfers=one_sided_transfers(self.rows, 0 if flushed
+                                                                 else first_row),
+                         partial_answers=tuple(partial))
         self.rows.tempo_reads.append(read)
         _logger.info("%s", read.summary())
         for f in read.findings()[1:]:
@@ -318,12 +391,15 @@ _GZIP_ERRORS = (OSError, EOFError, zlib.error)
 
 
 def _read_all(stream: IO[bytes], path: Path, gz: bool) -> tuple[bytes, BaseException | None]:
-    """Everything ``stream`` yields, and the error that cut a gzip stream short (None if whole)."""
+    """What ``stream`` yields, up to just over :data:`MAX_RECORD_BYTES` (the caller tells a longer
+    file by the length), and the error that cut a gzip stream short (None if whole)."""
     chunks: list[bytes] = []
+    held = 0
     try:
         # read1: a cut stream loses at most the one piece being decompressed when it fails
-        while chunk := stream.read1(_READ_CHUNK_BYTES):
+        while held <= MAX_RECORD_BYTES and (chunk := stream.read1(_READ_CHUNK_BYTES)):
             chunks.append(chunk)
+            held += len(chunk)
     except _GZIP_ERRORS as exc:
         if not gz:
             raise TraceSourceError(f"{path}: cannot read: {exc}") from exc
@@ -363,11 +439,16 @@ def _scope_spans(rs: dict) -> Iterator[dict]:
             yield from (x for x in rs[key] if isinstance(x, dict))
 
 
-def read_spans(source: SourceArg, *, skip_bad: bool = False, progress: bool | None = None) -> SpanRows:
-    """Decodes every record of ``source`` into a :class:`SpanRows` (no frame, no clock correction)."""
+def read_spans(source: SourceArg, *, skip_bad: bool = False, progress: bool | None = None,
+               flush: Callable[[SpanRows], None] | None = None,
+               flush_spans: int = 0) -> SpanRows:
+    """Decodes every record of ``source`` into a :class:`SpanRows` (no frame, no clock correction).
+
+    With ``flush``, chunks of at least ``flush_spans`` spans are handed to it as they fill, and
+    the last (possibly empty) chunk is returned."""
     resolved = resolve(source)
     rows = SpanRows()
-    reader = _Reader(rows, skip_bad)
+    reader = _Reader(rows, skip_bad, flush=flush, flush_spans=flush_spans)
     total = sum(p.stat().st_size for p in resolved if isinstance(p, Path))
     only_files = all(isinstance(p, Path) for p in resolved)
     with tqdm(total=total if only_files else None, unit="B", unit_scale=True, desc="loading spans",
@@ -377,7 +458,7 @@ def read_spans(source: SourceArg, *, skip_bad: bool = False, progress: bool | No
                 reader.tempo(item, bar)
             else:
                 reader.file(item, bar)
-    return rows
+    return reader.rows
 
 
 def load(source: SourceArg, *, skip_bad: bool = False, correct_clocks: bool = True,

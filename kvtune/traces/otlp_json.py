@@ -99,6 +99,30 @@ class TraceDocument(Struct, rename="camel", gc=False):
         return None
 
 
+class TempoAnswerStatus(Struct, rename="camel", gc=False):
+    """The completeness fields of Tempo's ``/api/v2/traces/<id>`` answer (``TraceByIDResponse``):
+    ``status`` ``PARTIAL`` (or 1) with a ``message`` when Tempo cut the trace short (it exceeded
+    ``max_bytes_per_trace``)."""
+
+    status: int | str = 0
+    message: str = ""
+
+
+_STATUS_DECODER = msgspec.json.Decoder(TempoAnswerStatus, strict=False)
+
+
+def tempo_partial(data: bytes) -> str | None:
+    """Tempo's message when the answer says the trace is partial; None when complete (or not a
+    Tempo v2 answer)."""
+    try:
+        st = _STATUS_DECODER.decode(data)
+    except (msgspec.MsgspecError, RecursionError):
+        return None
+    if st.status in (1, "PARTIAL", "PARTIAL_STATUS_PARTIAL"):
+        return st.message or "Tempo answered a partial trace"
+    return None
+
+
 DOCUMENT_EXPECTED = ("an OTLP ExportTraceServiceRequest ({\"resourceSpans\": [...]}) or a Tempo "
                      "trace ({\"batches\": [...]} or {\"trace\": {\"resourceSpans\": [...]}})")
 

@@ -20,20 +20,18 @@ returned as a :class:`TempoSearch` (range, requests, traces found, why it was cu
 """
 from __future__ import annotations
 
-import http.client
 import json
 import logging
 import math
 import re
 import time
-import urllib.error
 import urllib.parse
-import urllib.request
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from kvtune.errors import TraceFormatError, TraceSourceError
+from kvtune.traces.http import get as http_get
 
 _logger = logging.getLogger(__name__)
 
@@ -139,10 +137,14 @@ class TempoRead:
     one_sided_transfers: int = 0
     """Transfers (``kv.transfer_id``) with an initiator ``kv.rdma`` span and no target ``kv.notify``
     or the reverse: a sign that Tempo answered part of the traces (still ingesting, blocks missed)."""
+    partial_answers: tuple[str, ...] = ()
+    """``URL: message`` of each trace Tempo itself answered as partial (``"status": "PARTIAL"``:
+    the trace exceeded its ``max_bytes_per_trace``)."""
 
     @property
     def partial(self) -> bool:
-        return bool(self.search.cut_short) or self.one_sided_transfers > 0
+        return bool(self.search.cut_short) or self.one_sided_transfers > 0 or bool(
+            self.partial_answers)
 
     def summary(self) -> str:
         s = self.search
@@ -161,6 +163,13 @@ class TempoRead:
             out.append({"code": "tempo_search_cut_short", "severity": "warning",
                         "message": f"the Tempo search was cut short, traces in the range may be "
                                    f"missing: {'; '.join(s.cut_short)}", "evidence": evidence})
+        if self.partial_answers:
+            out.append({"code": "tempo_partial_answers", "severity": "warning",
+                        "message": f"Tempo answered {len(self.partial_answers)} trace(s) as "
+                                   f"partial (their spans beyond Tempo's size limit are missing): "
+                                   f"{'; '.join(self.partial_answers[:3])}"
+                                   + (" ..." if len(self.partial_answers) > 3 else ""),
+                        "evidence": evidence})
         if self.one_sided_transfers:
             out.append({"code": "tempo_partial_traces", "severity": "warning",
                         "message": f"{self.one_sided_transfers} transfer(s) read from Tempo have "
@@ -176,7 +185,8 @@ class TempoRead:
                 "range_from": s.range_from, "limit": s.limit, "requests": s.requests,
                 "windows": s.windows, "traces_found": len(s.trace_ids),
                 "traces_fetched": self.traces_fetched, "spans_read": self.spans_read,
-                "one_sided_transfers": self.one_sided_transfers, "cut_short": list(s.cut_short)}
+                "one_sided_transfers": self.one_sided_transfers, "cut_short": list(s.cut_short),
+                "partial_answers": list(self.partial_answers)}
 
 
 def _iso(unix_s: int) -> str:
@@ -187,7 +197,9 @@ def _iso(unix_s: int) -> str:
 class TempoSource:
     """A Tempo server and a search: TraceQL ``query``, a range (unix-seconds ``start_s``/``end_s``,
     or the last ``since_s`` seconds; default the last :data:`DEFAULT_SINCE_S`) and the traces per
-    request ``limit``."""
+    request ``limit``. ``timeout_s`` bounds each HTTP request as a whole (connect, headers, body,
+    same-origin redirects); ``headers`` (e.g. ``Authorization``) go only to ``base_url``'s origin:
+    a redirect elsewhere is refused (``kvtune.traces.http``)."""
 
     base_url: str
     query: str = DEFAULT_QUERY
@@ -290,32 +302,14 @@ class TempoSource:
     # --- HTTP --------------------------------------------------------------------------------
     def _get(self, path: str, params: Mapping[str, object] | None = None, *,
              max_bytes: int = MAX_TRACE_BODY_BYTES) -> tuple[int, bytes]:
+        """(status, body) of one GET: within ``timeout_s`` in all, redirects only to the same
+        origin (``kvtune.traces.http``)."""
         url = self.base_url + path
         if params:
             url += "?" + urllib.parse.urlencode({k: v for k, v in params.items() if v is not None})
-        req = urllib.request.Request(url, headers={"Accept": "application/json", **self.headers})
-        try:
-            with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
-                body = resp.read(max_bytes + 1)
-                status = resp.status
-                missing = resp.length if len(body) <= max_bytes else None
-        except urllib.error.HTTPError as exc:
-            try:
-                return exc.code, exc.read(64 * 1024) or b""
-            except (OSError, http.client.HTTPException):
-                return exc.code, b""
-        except (urllib.error.URLError, OSError) as exc:
-            raise TraceSourceError(f"{url}: Tempo unreachable: {exc}") from exc
-        except http.client.HTTPException as exc:  # IncompleteRead, BadStatusLine, ...
-            raise TraceSourceError(f"{url}: Tempo's answer was cut off or malformed: "
-                                   f"{type(exc).__name__}: {exc}") from exc
-        if len(body) > max_bytes:
-            raise TraceSourceError(f"{url}: answer larger than {max_bytes} bytes; narrow the "
-                                   f"query or the range")
-        if missing:  # read(n) returns what came before the connection closed, without raising
-            raise TraceSourceError(f"{url}: Tempo's answer was cut off: {len(body)} of "
-                                   f"{len(body) + missing} bytes arrived")
-        return status, body
+        answer = http_get(url, headers={"Accept": "application/json", **self.headers},
+                          timeout_s=self.timeout_s, max_bytes=max_bytes)
+        return answer.status, answer.body
 
     def _search_once(self, start: int, end: int, limit: int) -> tuple[int, bytes, str]:
         params = {"q": self.query, "start": start, "end": end, "limit": limit}

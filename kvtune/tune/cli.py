@@ -38,6 +38,11 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="without --traces: then replay the same kind of traffic on the local pair "
                         "under vLLM's defaults and under the recommendation (kvtune verify) and "
                         "state the verdict at the top of the report (a few minutes more)")
+    p.add_argument("--max-spans", type=int, default=None, metavar="N",
+                   help="with --traces: reduce the source in bounded memory to a sample of whole "
+                        "conversations holding about N spans, the fits reading more (kvtune.analysis."
+                        "reduced; a source over 512 MiB of span files is reduced to 200,000 spans "
+                        "without it)")
     p.add_argument("--notebooks", default=",".join(TUNE_NOTEBOOKS),
                    help="comma-separated notebooks to run (default: all)")
     p.set_defaults(func=run)
@@ -78,6 +83,13 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError("--verify: applies only without --traces (it replays the traffic of the "
                           "pair kvtune runs itself; for your cluster run `kvtune verify "
                           "--tune-dir OUT --prefill URL --decode URL`)")
+    if args.max_spans is not None:
+        if args.max_spans < 1 or not args.traces:
+            raise ConfigError(f"--max-spans {args.max_spans}: expected a whole number of spans "
+                              f">= 1, with --traces")
+        import os
+        from kvtune.analysis.reduced import MAX_SPANS_ENV
+        os.environ[MAX_SPANS_ENV] = str(args.max_spans)  # the notebooks' kernels inherit it
     default_source: dict[str, Any] = {}
     if fabric.rate_mbit is not None:
         default_source["fabric"] = fabric
