@@ -6,9 +6,11 @@ interval. A configuration measured once: the paired bootstrap resamples requests
 interval). Measured over several starts of its deployment (the configurations in alternating
 order): the workload is a fixed design replayed in every start, not a sample of requests, so the
 bootstrap resamples each request's measurements across the starts (the baseline's and the
-candidate's from the same start together) and the spread between the starts' own estimates is
-added to its variance (a start carries an offset of its own, which must not be read as an
-effect); the interval is then the estimate +- z standard errors. Every paired change carries the
+candidate's from the same start together); a start also carries an offset of its own, which must
+not be read as an effect, so the standard error is the larger of the bootstrap's and the one the
+spread between the starts' own estimates gives (that spread holds each start's sampling noise
+and its offset; the bootstrap stands in where a few starts agree by chance); the interval is
+then the estimate +- z standard errors. Every paired change carries the
 smallest effect the run could have detected (:func:`detectable_effect_pct`).
 """
 from __future__ import annotations
@@ -157,9 +159,9 @@ def _replicated_interval(keys: Sequence[str], b: np.ndarray, c: np.ndarray, q: f
                          starts: Mapping[str, int], units: Mapping[str, str], est: float,
                          rng: np.random.Generator, *, n_boot: int,
                          confidence: float) -> tuple[float, float, float]:
-    """(low, high, standard error) of the paired change over several starts: each request's
-    (baseline, candidate) pairs resampled across its starts, plus the variance between the
-    starts' own estimates over the number of starts."""
+    """(low, high, standard error) of the paired change over several starts: the larger of the
+    bootstrap's (each request's (baseline, candidate) pairs resampled across its starts) and the
+    standard error of the mean of the starts' own estimates."""
     by_unit: dict[str, list[int]] = {}
     for i, k in enumerate(keys):
         by_unit.setdefault(units.get(k, k), []).append(i)
@@ -180,7 +182,7 @@ def _replicated_interval(keys: Sequence[str], b: np.ndarray, c: np.ndarray, q: f
         if sel.sum() >= MIN_SAMPLES and np.quantile(b[sel], q) > 0:
             per_start.append(100.0 * (1.0 - np.quantile(c[sel], q) / np.quantile(b[sel], q)))
     between = float(np.var(per_start, ddof=1)) / len(per_start) if len(per_start) > 1 else 0.0
-    se = float(np.sqrt(np.var(pct, ddof=1) + between))
+    se = float(np.sqrt(max(np.var(pct, ddof=1), between)))
     z = NormalDist().inv_cdf(0.5 + confidence / 2.0)
     return est - z * se, est + z * se, se
 

@@ -17,6 +17,9 @@ from kvtune.errors import KvtuneError
 from kvtune.verify import figures, results, verdict
 
 VERIFY_DIR: Final = "verify"
+WORKLOAD_FILE: Final = "workload.json"
+"""Under ``verify/``: the conversations ``kvtune tune --verify`` replayed (``kvtune.workload/1``),
+so that the prediction check can be recomputed from the directory alone."""
 TUNE_VERIFY_STARTS: Final = 2
 """``kvtune tune --verify``: starts of each configuration's deployment, in alternating order
 (A B A B), so that one start's offset is not read as an effect."""
@@ -111,7 +114,9 @@ def verify_tune_dir(tune_dir: str | Path, *, shaped_rate_mbit: float | None,
                               f"defaults and names no runner-up mode to verify the decision "
                               f"against")
         configs, baseline = [recommended, runner], C.RECOMMENDED
+    from kvtune.verify import workload_file
     from kvtune.verify.crossover import CrossoverSpec, lengths_for
+    workload_file.save(plans, tune / VERIFY_DIR / WORKLOAD_FILE)
     sweep = CrossoverSpec(lengths_for(plans, reg), seed=seed) if crossover else None
     result = run_verify(configs, backend, plans, tune / VERIFY_DIR,
                         workload=describe(plans, f"kvtune tune's embedded default traffic "
