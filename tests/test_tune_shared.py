@@ -143,3 +143,23 @@ def test_tune_computes_once_and_the_notebooks_draw_the_file_they_are_given(spans
 def test_tune_with_only_notebooks_that_draw_no_tuning_computes_none(spans_file, tmp_path):
     result = run_tune(str(spans_file), tmp_path / "out", notebooks=["stalls"], progress=False)
     assert not (result.out_dir / TUNING_FILE).exists()
+
+
+def test_an_unbounded_bandwidth_survives_the_saved_file_and_the_export(computed, spans_file,
+                                                                          tmp_path):
+    # A fit whose slope interval reaches 0 cannot bound the bandwidth above: math.inf, which
+    # strict JSON writes as null. Reading it back must give inf again, and the export's report
+    # must still be written (a warm lab run once failed here with a TypeError).
+    import dataclasses
+    import math
+    lo = computed.fit.bandwidth_ci_gbps[0]
+    unbounded = dataclasses.replace(computed, fit=dataclasses.replace(
+        computed.fit, bandwidth_ci_gbps=(lo, math.inf)))
+    path = write_tuning(unbounded, tmp_path / "tuning.json",
+                        tuning_inputs(traces=str(spans_file), **INPUTS))
+    assert json.loads(path.read_text())["tuning"]["fit"]["bandwidth_ci_gbps"][1] is None
+    loaded = read_tuning(path)
+    assert loaded.fit.bandwidth_ci_gbps == (lo, math.inf)
+    export_write(loaded, tmp_path / "configs", overwrite=True)
+    report = (tmp_path / "configs" / "REPORT.md").read_text()
+    assert "Gbit/s [" in report and "inf]" in report

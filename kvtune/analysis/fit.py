@@ -108,9 +108,15 @@ class FloorFit:
         def pair(v: Any) -> tuple[float, float] | None:
             return None if v is None else (v[0], v[1])
 
-        return cls(floor_ms=d["floor_ms"], bandwidth_gbps=d["bandwidth_gbps"],
+        def unbounded(v: Any) -> float:
+            # A bandwidth the fit could not bound above (slope interval reaching 0) is infinite;
+            # strict JSON writes it as null.
+            return math.inf if v is None else v
+
+        bw_ci = d["bandwidth_ci_gbps"]
+        return cls(floor_ms=d["floor_ms"], bandwidth_gbps=unbounded(d["bandwidth_gbps"]),
                    per_descriptor_us=d["per_descriptor_us"], floor_ci_ms=pair(d["floor_ci_ms"]),
-                   bandwidth_ci_gbps=pair(d["bandwidth_ci_gbps"]),
+                   bandwidth_ci_gbps=(unbounded(bw_ci[0]), unbounded(bw_ci[1])),
                    per_descriptor_ci_us=pair(d["per_descriptor_ci_us"]), r2=d["r2"],
                    n_transfers=d["n_transfers"], n_sizes=d["n_sizes"], source=d["source"],
                    n_outliers=d["n_outliers"], column=d["column"])
