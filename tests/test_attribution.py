@@ -132,3 +132,18 @@ def test_requests_without_a_decode_step_are_left_out():
 def test_the_span_convention_doc_lists_every_span():
     listed = set(re.findall(r"^\| `(kv\.[a-z_]+)` \|", DOC.read_text(encoding="utf-8"), re.M))
     assert listed == S.span_names()
+
+
+def test_waterfall_draws_each_phase_with_its_share_slowest_and_typical_chosen():
+    from kvtune import plots
+    frames = [_frame(PULL_STEPS, trace_id=f"{i + 1:032x}") for i in range(4)]
+    frames.append(_frame(WITHOUT_ROUTER, trace_id=f"{9:032x}", end_ms=300.0))
+    df = pd.concat(frames, ignore_index=True)
+    ttfts = pd.DataFrame({"trace_id": ["a", "b", "c"], "ttft_ms": [10.0, 50.0, 20.0]})
+    assert A.waterfall_requests(ttfts, slowest=1) == ["b", "c"]
+    assert A.waterfall_requests(ttfts, slowest=3) == ["b", "c", "a"]
+    seg = A.segments(df)
+    fig = plots.waterfall(seg, f"{9:032x}")
+    names = {t.name for t in fig.data}
+    assert f"{A.UNNAMED} 25.0%" in names and f"{N.PREFILL.value} 35.0%" in names
+    assert sum(len(t.x) for t in fig.data) == len(seg[seg["trace_id"] == f"{9:032x}"])

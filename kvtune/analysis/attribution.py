@@ -183,3 +183,19 @@ def named_shares(table: pd.DataFrame) -> dict[str, NamedShare]:
             str(mode), int(len(g)), p50, p10, float(g["unnamed_ms"].median()),
             float(g["ttft_ms"].median()), after, before)
     return out
+
+
+WATERFALL_SLOWEST = 3
+"""Requests a report draws a waterfall of: this many slowest, and one typical."""
+
+
+def waterfall_requests(table: pd.DataFrame, *, slowest: int = WATERFALL_SLOWEST) -> list[str]:
+    """Trace ids to draw (:func:`request_attribution`'s ``table``): the ``slowest`` by TTFT, then
+    the typical one (TTFT nearest the median) when it is not among them."""
+    if table.empty:
+        return []
+    by_ttft = table.sort_values("ttft_ms", ascending=False)
+    out = [str(t) for t in by_ttft["trace_id"].head(slowest)]
+    median = float(table["ttft_ms"].median())
+    typical = str(table.loc[(table["ttft_ms"] - median).abs().idxmin(), "trace_id"])
+    return out if typical in out else out + [typical]
