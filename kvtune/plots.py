@@ -206,3 +206,32 @@ def mode_ttft(expected: dict[str, dict[str, float]], *, chosen: str, excluded: d
     fig.update_xaxes(ticktext=labels, tickvals=modes)
     fig.update_layout(barmode="group", title=title, yaxis_title="TTFT (ms)")
     return fig
+
+
+UNNAMED_COLOR = "#d9d9d9"
+
+
+def waterfall(segments: pd.DataFrame, trace_id: str, *, title: str = "") -> Any:
+    """One request's TTFT as a waterfall: one row per phase (in order of first appearance), a bar
+    per stretch the phase holds (``kvtune.analysis.attribution.segments``), unnamed time grey."""
+    go = _go()
+    seg = segments[segments["trace_id"] == trace_id]
+    total = float(seg["end_ms"].max()) if len(seg) else 0.0
+    order = list(dict.fromkeys(seg["phase"]))
+    fig = go.Figure()
+    palette = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2",
+               "#7f7f7f", "#bcbd22", "#17becf"]
+    for i, phase in enumerate(order):
+        g = seg[seg["phase"] == phase]
+        ms = float((g["end_ms"] - g["start_ms"]).sum())
+        share = ms / total if total > 0 else float("nan")
+        fig.add_trace(go.Bar(
+            y=[phase] * len(g), x=(g["end_ms"] - g["start_ms"]).to_numpy(),
+            base=g["start_ms"].to_numpy(), orientation="h", name=f"{phase} {share:.1%}",
+            marker_color=UNNAMED_COLOR if phase == "unnamed" else palette[i % len(palette)],
+            hovertemplate=f"{phase}: %{{base:.2f}} → %{{x:.2f}} ms long<extra></extra>"))
+    fig.update_layout(title=title or f"TTFT of {trace_id[:12]}…: {total:.1f} ms", barmode="overlay",
+                      xaxis_title="ms since the router received the request",
+                      yaxis={"autorange": "reversed", "categoryorder": "array",
+                             "categoryarray": order}, showlegend=True)
+    return fig

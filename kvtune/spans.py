@@ -45,6 +45,22 @@ class SpanName(str, Enum):
     """Prefill (bidirectional): recompute vs pull vs local hit for a conversation's history."""
     RETENTION = "kv.retention"
     """Decode (bidirectional): blocks retained for the next turn -> reused, expired or evicted."""
+    ROUTE = "kv.route"
+    """Router, child of ``kv.request``: the request began -> its first leg was sent (the
+    conversation's state read, the instances chosen). Abuts the first leg."""
+    PREFILL_LEG = "kv.prefill_leg"
+    """Router, child of ``kv.request``: the prefill leg's HTTP request sent (connection acquired
+    included) -> its answer read. The prefill's engine spans nest inside it; what they leave is the
+    hop, the API server's HTTP intake before vLLM stamps ``arrival_time``, and the answer's way
+    back. :data:`HTTP_CONNECTION_REUSED`, :data:`HTTP_REQUEST_BYTES`, :data:`HTTP_RESPONSE_BYTES`."""
+    HANDOFF = "kv.handoff"
+    """Router, child of ``kv.request`` (pull, bidirectional): the prefill's answer read -> the
+    decode leg sent (the answer parsed, the decode leg's body built, the decode chosen). Abuts
+    both legs; push sends both legs at once and has none."""
+    DECODE_LEG = "kv.decode_leg"
+    """Router, child of ``kv.request``: the decode leg's HTTP request sent -> its answer read
+    (streamed: the stream's end). The decode's engine spans nest inside it. Attributes as on
+    :attr:`PREFILL_LEG`."""
 
 
 PHASES: Final = (
@@ -66,6 +82,15 @@ PHASE_COLUMNS: Final = {
     SpanName.DECODE_START: "decode_start_ms",
 }
 """Column of the transfers table that holds each phase's duration."""
+
+ROUTER_PHASES: Final = (
+    SpanName.ROUTE,
+    SpanName.PREFILL_LEG,
+    SpanName.HANDOFF,
+    SpanName.DECODE_LEG,
+)
+"""The router's phases of one request (children of ``kv.request``), in causal order: they abut
+(push: the two legs run side by side), and the engines' spans nest inside the legs."""
 
 # --- Common attributes ---------------------------------------------------------------------------
 REQUEST_ID: Final = "kv.request_id"
@@ -163,6 +188,15 @@ ERROR_TYPE: Final = "error.type"
 EXCEPTION_MESSAGE: Final = "exception.message"
 """An error's message, on span events that report one (OpenTelemetry's name)."""
 
+HTTP_CONNECTION_REUSED: Final = "kv.http.connection_reused"
+"""On the router's legs: True when the leg's HTTP request went over a pooled (kept-alive)
+connection, False when a new connection was opened for it."""
+HTTP_REQUEST_BYTES: Final = "kv.http.request_bytes"
+"""On the router's legs: bytes of the leg's HTTP request body sent."""
+HTTP_RESPONSE_BYTES: Final = "kv.http.response_bytes"
+"""On the router's legs: bytes of the leg's HTTP response body received (absent on a streamed
+decode leg: the router relays the stream and does not count it)."""
+
 # --- Resource attributes ------------------------------------------------------------------------
 SERVICE_NAME: Final = "service.name"
 HOST_NAME: Final = "host.name"
@@ -247,7 +281,8 @@ ATTRIBUTE_TYPES: Final[dict[str, type]] = {
     DECODE_INSTANCE: str, STREAM: bool, HTTP_STATUS: int, REUSE_OUTCOME: str,
     REUSE_REMOTE_TOKENS: int, REUSE_THRESHOLD_TOKENS: int, RETENTION_TTL_S: float,
     RETENTION_OUTCOME: str, PROBE_ITERATION: int, PROBE_WARMUP: bool, PROBE_LAYOUT: str,
-    ERROR_TYPE: str,
+    ERROR_TYPE: str, HTTP_CONNECTION_REUSED: bool, HTTP_REQUEST_BYTES: int,
+    HTTP_RESPONSE_BYTES: int,
 }
 """Every span attribute of the convention with its Python type; the loader makes one typed column
 per entry (named exactly as the attribute) in the spans DataFrame."""

@@ -137,6 +137,16 @@ NOTEBOOKS: dict[str, list[tuple[str, str]]] = {
         ("code", 'nb.show(stalls.side_by_side_figure(diag), "side-by-side")'),
         ("code", 'if diag.slow_trace:\n'
                  '    nb.show(stalls.timeline_figure(diag, spans), "timeline")'),
+        ("markdown", "Every millisecond of TTFT (router in -> the decode's first step), named: "
+                     "waterfalls of the slowest requests and a typical one "
+                     "(`kvtune.analysis.attribution`; grey: no span names it)."),
+        ("code", 'from kvtune.analysis import attribution\n'
+                 'table = attribution.request_attribution(spans)\n'
+                 'nb.publish("ttft_named_share_p50", float(table["named_share"].median()) '
+                 'if len(table) else None)\n'
+                 'seg = attribution.segments(spans)\n'
+                 'for tid in attribution.waterfall_requests(table):\n'
+                 '    nb.show(plots.waterfall(seg, tid), f"waterfall-{tid[:12]}")'),
     ],
     "tune": [
         ("markdown", "# Tune\nThe whole analysis end to end: recommendation with evidence, "

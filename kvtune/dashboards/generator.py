@@ -112,6 +112,20 @@ def phases_overview_query() -> str:
     return spanset(any_phase, SERVICE_FILTER, MODE_FILTER) + " | quantile_over_time(duration, 0.9) by (name)"
 
 
+SHARE_SPANS: Final = tuple(
+    n for n in SpanName
+    if n not in (SpanName.REQUEST, SpanName.RETENTION, SpanName.NOTIFY))
+"""The spans of the per-phase share panel: every step of a request's TTFT that has an extent (the
+router's phases and the engines' spans; not the request itself, nor retention between turns)."""
+
+
+def phase_shares_query() -> str:
+    """Time summed per span name per interval: the panel stacks it to 100%, each name's share."""
+    any_step = "(" + " || ".join(_name_is(n) for n in SHARE_SPANS) + ")"
+    return (spanset(any_step, SERVICE_FILTER, MODE_FILTER)
+            + " | sum_over_time(duration) by (name)")
+
+
 def _by_mode_direction() -> str:
     return f"by ({span_attr(spans.MODE)}, {span_attr(spans.DIRECTION)})"
 
@@ -193,7 +207,8 @@ def _row(ids: _Ids, title: str) -> sdk_dashboard.Row:
 
 
 def _timeseries(ids: _Ids, title: str, description: str, query: str, *, unit: str,
-                w: int = 8, h: int = 8, bars: bool = False) -> timeseries.Panel:
+                w: int = 8, h: int = 8, bars: bool = False,
+                percent: bool = False) -> timeseries.Panel:
     panel = (timeseries.Panel().id(ids()).title(title).description(description).datasource(_ds())
              .span(w).height(h).with_target(_target(query, metrics=True)).unit(unit)
              .draw_style(common.GraphDrawStyle.BARS if bars else common.GraphDrawStyle.LINE)
@@ -206,8 +221,8 @@ def _timeseries(ids: _Ids, title: str, description: str, query: str, *, unit: st
              .tooltip(common_builders.VizTooltipOptions().mode(common.TooltipDisplayMode.MULTI)
                       .sort(common.SortOrder.DESCENDING)))
     if bars:
-        panel = panel.stacking(common_builders.StackingConfig().mode(common.StackingMode.NORMAL)
-                               .group("A"))
+        panel = panel.stacking(common_builders.StackingConfig().mode(
+            common.StackingMode.PERCENT if percent else common.StackingMode.NORMAL).group("A"))
     return panel
 
 
@@ -276,6 +291,14 @@ def kv_transfer_dashboard() -> dict[str, Any]:
         ids, "p90 per phase", "p90 duration of each timed phase of a KV transfer, side by side "
                               "(notify is an instant: see its own panel).",
         phases_overview_query(), unit="s", w=24, h=8))
+    d = d.with_panel(_timeseries(
+        ids, "Share of time per phase (router legs and engine spans)",
+        "Each span's summed duration per interval, stacked to 100%: the router's phases "
+        f"({', '.join(p.value for p in spans.ROUTER_PHASES)}) and the engines' spans. Spans that "
+        "nest (an engine's inside the router's leg) or run side by side are each counted in full "
+        "here; the exact share of TTFT per phase, each instant given to one span, is "
+        "`bench/attribution.py` and the waterfalls of the report (kvtune.analysis.attribution).",
+        phase_shares_query(), unit="s", w=24, bars=True, percent=True))
     for phase in spans.PHASES:
         if phase in INSTANT_PHASES:
             d = d.with_panel(_timeseries(

@@ -6,6 +6,7 @@ import numpy as np
 import pandas as pd
 
 from kvtune import spans as sc
+from kvtune.analysis.attribution import named_shares, request_attribution
 from kvtune.analysis.fit import FloorFit
 from kvtune.analysis.stalls import EXTRA_COLS, STALL_MS, stall_diagnosis
 from kvtune.analysis.workload import Workload
@@ -21,6 +22,9 @@ LOW_R2 = 0.9
 OUTLIER_SHARE = 0.1
 EXPIRED_SHARE = 0.2
 """More than this share of reuse decisions finding expired history suggests a too-short TTL."""
+UNNAMED_SHARE_LIMIT = 0.05
+"""Unnamed time above this share of TTFT at the per-request median is a finding (issue 33: every
+millisecond of TTFT named, 95% at the median)."""
 STARVED_SHARE = 0.05
 """At least this share of requests over 1 s, with the time outside the transfer, is a finding."""
 OUTSIDE_TRANSFER_COLS = EXTRA_COLS
@@ -205,3 +209,24 @@ def _stalls_outside_transfer(transfers: pd.DataFrame, spans: pd.DataFrame) -> Fi
          "progress_delay_us_seen": delays,
          "setting": setting if spinning else None,
          "setting_env_cpu": dict(ONE_PROCESS_ENV)})
+
+
+def unnamed_time_finding(spans: pd.DataFrame) -> Finding | None:
+    """Finding ``ttft_unnamed`` when, in some serving mode, the median request leaves more than
+    :data:`UNNAMED_SHARE_LIMIT` of its TTFT unnamed; it names where that time sits."""
+    by_mode = named_shares(request_attribution(spans))
+    over = {m: s for m, s in by_mode.items()
+            if m != sc.Mode.PROBE.value and 1.0 - s.named_share_p50 > UNNAMED_SHARE_LIMIT}
+    if not over:
+        return None
+    parts = [f"{m}: {1 - s.named_share_p50:.0%} of TTFT at the median ({s.unnamed_ms_p50:.3g} ms "
+             f"of {s.ttft_ms_p50:.3g} ms), mostly between {s.gap_after} and {s.gap_before}"
+             for m, s in sorted(over.items())]
+    return Finding(
+        "ttft_unnamed", "info",
+        "time to first token no span names: " + "; ".join(parts) + ". The router's leg spans "
+        f"({sc.SpanName.PREFILL_LEG.value}, {sc.SpanName.HANDOFF.value}, "
+        f"{sc.SpanName.DECODE_LEG.value}) name the legs' hops and the API servers' intake; a trace "
+        "without them leaves these unexplained",
+        {"limit_share": UNNAMED_SHARE_LIMIT,
+         "modes": {m: s.as_dict() for m, s in sorted(over.items())}})

@@ -76,8 +76,9 @@ from kvtune.router.pool import InstancePool
 from kvtune.router.parsing import (MAX_CLIENT_REQUEST_ID_CHARS, REQUEST_ID_HEADER, RequestRejected,
                                    parse_request, text_problem)
 from kvtune.router.state import ConversationStore, TurnStart, open_store
-from kvtune.router.tracing import (TRACEPARENT_HEADER, TRACER_NAME, client_span_context,
-                                   current_traceparent, set_attributes)
+from kvtune.router.tracing import (TRACEPARENT_HEADER, TRACER_NAME, begin_phases,
+                                   client_span_context, client_trace_config, current_traceparent,
+                                   end_phases, leg_ended, leg_started, set_attributes)
 
 _logger = logging.getLogger(__name__)
 
@@ -434,7 +435,8 @@ class Router:
     async def _on_startup(self, app: web.Application) -> None:
         self._session = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=30.0),
-            timeout=aiohttp.ClientTimeout(total=None, sock_connect=self.config.connect_timeout_s))
+            timeout=aiohttp.ClientTimeout(total=None, sock_connect=self.config.connect_timeout_s),
+            trace_configs=[client_trace_config()])
 
     async def _on_cleanup(self, app: web.Application) -> None:
         if self._session is not None:
@@ -562,6 +564,7 @@ class Router:
         with self.tracer.start_as_current_span(
                 spans.SpanName.REQUEST.value, context=otel_context.Context(), kind=SpanKind.SERVER,
                 links=links, record_exception=False, set_status_on_exception=False) as span:
+            begin_phases(span)
             try:
                 response = await self._route(request, body, call)
             except asyncio.CancelledError:
@@ -585,6 +588,7 @@ class Router:
                                        kind="router_error", headers=call.response_headers())
             finally:
                 self._finish_span(span, call)
+                end_phases(self.tracer, span)
         return response
 
     def _finish_span(self, span: trace.Span, call: _Call) -> None:
@@ -663,6 +667,7 @@ class Router:
     async def _post_json(self, leg: str, inst: InstanceConfig, path: str, body: Mapping[str, Any],
                          headers: Mapping[str, str], total_s: float) -> dict[str, Any]:
         t0 = time.perf_counter()
+        leg_started(leg)
         try:
             parsed = await self._post_json_once(leg, inst, path, body, headers, total_s)
         except UpstreamError as exc:
@@ -677,6 +682,7 @@ class Router:
                  body: Mapping[str, Any] | None, answer: dict[str, Any] | None,
                  returned: dict[str, Any] | None, error: str | None = None) -> None:
         """Tell ``on_leg`` about a leg that ended (never raises)."""
+        leg_ended(leg, error)
         if self.on_leg is None:
             return
         sent = body.get(vllm_pd.KV_TRANSFER_PARAMS) if body is not None else None
@@ -721,6 +727,7 @@ class Router:
         """POST and return the open response once its status is 200 (caller releases it and,
         through :meth:`_relay_stream`, tells ``on_leg`` when the stream ends)."""
         t0 = time.perf_counter()
+        leg_started(leg)
         try:
             resp = await self._open_stream_once(leg, inst, path, body, headers)
         except UpstreamError as exc:

@@ -6,13 +6,20 @@ the OpenTelemetry API gives.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Mapping, MutableMapping
-from typing import Any
+from contextvars import ContextVar
+from dataclasses import dataclass, field
+from typing import Any, Final
 
+import aiohttp
 from opentelemetry import trace
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-from kvtune.spans import TRACEPARENT_HEADER, Role
+from kvtune.spans import (
+    ERROR_TYPE, HTTP_CONNECTION_REUSED, HTTP_REQUEST_BYTES, HTTP_RESPONSE_BYTES, TRACEPARENT_HEADER,
+    Role, SpanName,
+)
 
 _logger = logging.getLogger(__name__)
 TRACER_NAME = "kvtune.router"
@@ -84,3 +91,147 @@ def set_attributes(span: trace.Span, attributes: MutableMapping[str, Any]) -> No
             span.set_attributes({k: v for k, v in attributes.items() if v is not None})
     except Exception:
         _logger.warning("setting span attributes failed", exc_info=True)
+
+
+# --- The request's phases: kv.route, kv.prefill_leg, kv.handoff, kv.decode_leg -------------------
+LEG_SPANS: Final = {"prefill": SpanName.PREFILL_LEG, "decode": SpanName.DECODE_LEG}
+"""The router's leg names (``UpstreamError.leg``, ``LegRecord.leg``) and their spans."""
+LEG_ERROR_TYPE: Final = "UpstreamError"
+"""``error.type`` of a leg span whose leg failed (the reason is its status message)."""
+
+
+@dataclass
+class _Leg:
+    start_ns: int
+    end_ns: int | None = None
+    reused: bool | None = None
+    request_bytes: int = 0
+    response_bytes: int | None = None
+    """None: not counted (aiohttp signals no chunks of a response read as a stream)."""
+    error: str | None = None
+
+
+@dataclass
+class RequestPhases:
+    """Moments of one request's legs, recorded as they happen (a few integer stores) and turned
+    into child spans of ``kv.request`` once, when the request ends (:meth:`emit`)."""
+
+    start_ns: int = field(default_factory=time.time_ns)
+    legs: dict[str, _Leg] = field(default_factory=dict)
+
+    def emit(self, tracer: trace.Tracer, parent: trace.Span) -> None:
+        """Add ``kv.route``, the legs and ``kv.handoff`` under ``parent``; never raises."""
+        try:
+            if not parent.is_recording() or not self.legs:
+                return
+            ctx = trace.set_span_in_context(parent)
+            first = min(leg.start_ns for leg in self.legs.values())
+            _span(tracer, ctx, SpanName.ROUTE, self.start_ns, first, {})
+            for name, leg in self.legs.items():
+                end = leg.end_ns if leg.end_ns is not None else time.time_ns()
+                _span(tracer, ctx, LEG_SPANS[name], leg.start_ns, end, {
+                    HTTP_CONNECTION_REUSED: leg.reused, HTTP_REQUEST_BYTES: leg.request_bytes,
+                    HTTP_RESPONSE_BYTES: leg.response_bytes,
+                    ERROR_TYPE: None if leg.error is None else LEG_ERROR_TYPE},
+                    error=leg.error)
+            p, d = self.legs.get("prefill"), self.legs.get("decode")
+            if p is not None and d is not None and p.end_ns is not None \
+                    and p.end_ns <= d.start_ns:
+                _span(tracer, ctx, SpanName.HANDOFF, p.end_ns, d.start_ns, {})
+        except Exception:
+            _logger.warning("emitting the router's phase spans failed", exc_info=True)
+
+
+def _span(tracer: trace.Tracer, ctx: Any, name: SpanName, start_ns: int, end_ns: int,
+          attributes: Mapping[str, Any], error: str | None = None) -> None:
+    span = tracer.start_span(name.value, context=ctx, start_time=start_ns,
+                             kind=trace.SpanKind.INTERNAL)
+    if span.is_recording():
+        span.set_attributes({k: v for k, v in attributes.items() if v is not None})
+        if error is not None:
+            span.set_status(trace.Status(trace.StatusCode.ERROR, error))
+    span.end(end_time=max(end_ns, start_ns))
+
+
+_PHASES: ContextVar[RequestPhases | None] = ContextVar("kvtune_router_phases", default=None)
+_LEG: ContextVar[_Leg | None] = ContextVar("kvtune_router_leg", default=None)
+
+
+def begin_phases(request_span: trace.Span) -> None:
+    """Start recording the current request's phases when ``request_span`` (``kv.request``) records
+    (the legs' tasks inherit the record); else record nothing. Never raises."""
+    try:
+        if not request_span.is_recording():
+            _PHASES.set(None)
+            return
+        start = getattr(request_span, "start_time", None)  # the SDK's span: kv.route abuts it
+        _PHASES.set(RequestPhases(start) if isinstance(start, int) else RequestPhases())
+    except Exception:
+        _logger.warning("recording the router's phases failed", exc_info=True)
+
+
+def end_phases(tracer: trace.Tracer, request_span: trace.Span) -> None:
+    """Emit the current request's phases under ``request_span`` (see :meth:`RequestPhases.emit`)."""
+    phases = _PHASES.get()
+    if phases is not None:
+        _PHASES.set(None)
+        phases.emit(tracer, request_span)
+
+
+def leg_started(leg: str) -> None:
+    """The current request's ``leg`` ("prefill" or "decode") is about to be sent."""
+    phases = _PHASES.get()
+    if phases is None or leg not in LEG_SPANS:
+        return
+    try:
+        record = _Leg(time.time_ns())
+        phases.legs[leg] = record
+        _LEG.set(record)
+    except Exception:
+        _logger.warning("recording a leg's start failed", exc_info=True)
+
+
+def leg_ended(leg: str, error: str | None = None) -> None:
+    """The current request's ``leg`` has its answer (or failed with ``error``)."""
+    phases = _PHASES.get()
+    if phases is None:
+        return
+    record = phases.legs.get(leg)
+    if record is not None and record.end_ns is None:
+        record.end_ns = time.time_ns()
+        record.error = None if error is None else str(error)[:500]
+
+
+async def _on_reuse(session: Any, ctx: Any, params: Any) -> None:
+    record = _LEG.get()
+    if record is not None:
+        record.reused = True
+
+
+async def _on_create(session: Any, ctx: Any, params: Any) -> None:
+    record = _LEG.get()
+    if record is not None and record.reused is None:
+        record.reused = False
+
+
+async def _on_sent(session: Any, ctx: Any, params: Any) -> None:
+    record = _LEG.get()
+    if record is not None:
+        record.request_bytes += len(params.chunk)
+
+
+async def _on_received(session: Any, ctx: Any, params: Any) -> None:
+    record = _LEG.get()
+    if record is not None:
+        record.response_bytes = (record.response_bytes or 0) + len(params.chunk)
+
+
+def client_trace_config() -> aiohttp.TraceConfig:
+    """An aiohttp ``TraceConfig`` that tells the current leg whether its connection was reused and
+    counts its body bytes (a context-variable read per signal; nothing when no leg is recorded)."""
+    config = aiohttp.TraceConfig()
+    config.on_connection_reuseconn.append(_on_reuse)
+    config.on_connection_create_end.append(_on_create)
+    config.on_request_chunk_sent.append(_on_sent)
+    config.on_response_chunk_received.append(_on_received)
+    return config

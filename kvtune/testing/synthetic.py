@@ -470,3 +470,42 @@ def write_otlp_json(spans: pd.DataFrame, path: str | os.PathLike[str]) -> int:
     with open(path, "w", encoding="utf-8") as f:
         f.write("\n".join(lines) + "\n")
     return len(spans)
+
+
+@dataclass(frozen=True)
+class Step:
+    """One span of a hand-built request (:func:`request_spans`), in ms from the request's start."""
+
+    name: sc.SpanName
+    role: sc.Role
+    start_ms: float
+    end_ms: float
+
+
+ROLE_HOSTS: dict[sc.Role, str] = {sc.Role.ROUTER: "router", sc.Role.PREFILL: "prefill-0",
+                                  sc.Role.DECODE: "decode-0"}
+"""The host each role's spans of :func:`request_spans` come from."""
+
+
+def request_spans(steps: Sequence[Step], *, end_ms: float, trace_id: str = "a" * 32,
+                  mode: sc.Mode | str = sc.Mode.PULL, t0_ns: int = T0_NS,
+                  clock_offsets_ns: dict[str, int] | None = None) -> list[dict]:
+    """Span records (for :func:`spans_frame`) of one router-traced request: its ``kv.request``
+    from 0 to ``end_ms`` and ``steps``, each on its role's host (:data:`ROLE_HOSTS`) shifted by
+    that host's clock offset. Tiny frames with hand-computed answers are built from these."""
+    offs = clock_offsets_ns or {}
+    mode = sc.Mode(mode).value
+    root = f"{trace_id[:8]}{1:08x}"
+
+    def rec(name: str, role: sc.Role, s_ms: float, e_ms: float, n: int) -> dict:
+        host = ROLE_HOSTS[role]
+        o = offs.get(host, 0)
+        return {"name": name, "host": host, "service": sc.service_name(role),
+                "trace_id": trace_id, "span_id": root if n < 0 else f"{trace_id[:8]}{n + 2:08x}",
+                "parent_span_id": pd.NA if n < 0 else root,
+                "start_ns": t0_ns + _ns(s_ms) + o, "end_ns": t0_ns + _ns(e_ms) + o,
+                "attrs": {sc.MODE: mode, sc.ROLE: role.value}}
+
+    out = [rec(sc.SpanName.REQUEST.value, sc.Role.ROUTER, 0.0, end_ms, -1)]
+    out += [rec(s.name.value, s.role, s.start_ms, s.end_ms, i) for i, s in enumerate(steps)]
+    return out
