@@ -6,8 +6,8 @@ import dataclasses
 import pytest
 
 from kvtune.errors import ConfigError
-from kvtune.local.regime import (BLOCK_TOKENS, DEFAULT_REGIME, FLEET, REGIMES, WARM, log_spaced,
-                                 regime)
+from kvtune.local.regime import (BLOCK_TOKENS, DEFAULT_REGIME, FLEET, FLEET_FIRST_PROMPT_TOKENS,
+                                 REGIMES, WARM, log_spaced, regime)
 from kvtune.tune.sources import workload_plans
 
 
@@ -31,10 +31,10 @@ def test_warm_prefill_keeps_every_history():
 
 def test_fleet_sizes_spread_in_log_and_every_prefix_spans_the_range():
     sizes = FLEET.first_prompt_tokens
-    assert min(sizes) == 64 and max(sizes) == 2048 and len(set(sizes)) == len(sizes)
-    assert sorted(log_spaced(64, 2048, 16)) == sorted(sizes)
+    assert (min(sizes), max(sizes)) == FLEET_FIRST_PROMPT_TOKENS == (512, 2560)
+    assert sorted(log_spaced(512, 2560, 16)) == sorted(sizes) and len(set(sizes)) == len(sizes)
     first4 = sorted(sizes[:4])
-    assert first4[0] <= 128 and first4[-1] >= 1024
+    assert first4[0] <= 640 and first4[-1] >= 1792
     # tune's and verify's traffic: the same sizes, other tokens
     a, b = workload_plans(FLEET, seed=0), workload_plans(FLEET, seed=1)
     assert [len(p.turns[0].user_tokens) for p in a] == [len(p.turns[0].user_tokens) for p in b]

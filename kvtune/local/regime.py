@@ -100,20 +100,27 @@ def log_spaced(lo: int, hi: int, n: int) -> tuple[int, ...]:
 
 
 FLEET_CONVERSATIONS: Final = 16
+FLEET_FIRST_PROMPT_TOKENS: Final = (512, 2560)
+"""Shortest and longest first prompts of the fleet regime (tokens), agent-like histories. Why not
+shorter: on this 2-core machine a prefill recomputes a history of under 500 tokens in about the
+time a pull of it takes over the 1 Gbit/s link (later turns 24 ms either way, measured with first
+prompts from 64 tokens: half of the traffic then sat where the modes tie), while a 2000-token
+history costs 137 ms recomputed against 45 ms pulled back. The longest must leave room for the
+conversation's growth within ``max_model_len``."""
 FLEET: Final = LabRegime(
     name="fleet",
     why=("later turns reach a prefill that lacks the history (its prefix cache, 25 blocks, holds "
          "a fraction of the conversations in flight, which take turns), as when a fleet's router "
          "sends a turn to another prefill or one that evicted it under load"),
     prefill_kv_blocks=25, decode_kv_blocks=1024, max_model_len=3072,
-    first_prompt_tokens=log_spaced(64, 2048, FLEET_CONVERSATIONS),
+    first_prompt_tokens=log_spaced(*FLEET_FIRST_PROMPT_TOKENS, FLEET_CONVERSATIONS),
     conversations=FLEET_CONVERSATIONS, verify_conversations=FLEET_CONVERSATIONS,
     turns=4, new_tokens_per_turn=48, max_tokens=8, think_time_s=(0.0, 0.0),
     parallel_conversations=1, turn_major=True)
-"""16 conversations whose first prompts spread evenly in log from 64 to 2048 tokens (the same
+"""16 conversations whose first prompts spread evenly in log from 512 to 2560 tokens (the same
 sizes in ``kvtune tune`` and ``kvtune verify``, other token ids: the two see the same TTFT
 distribution, so a measured p50 predicts the other's), taking turns one request at a time. Their
-histories hold about 3x the prefill's 25 blocks; the decode (1024 blocks) keeps every one."""
+histories hold about 7x the prefill's 25 blocks (190); the decode (1024 blocks) keeps every one."""
 WARM: Final = LabRegime(
     name="warm",
     why=("one prefill whose prefix cache (256 blocks) keeps every conversation's history: later "
