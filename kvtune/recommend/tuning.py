@@ -231,14 +231,17 @@ def recommend(spans: pd.DataFrame, *, geometry: Any = None,
     findings += f
     pre_main, pre_all = ((fit_in.prefill_of(split.main), fit_in.prefill_spans)
                          if fit_in is not None else (spans, traced))
-    prefill_from = pre_main
+    # The prefill cost is compute: a bidirectional prefill's kv.prefill span holds the reverse
+    # READ it waited for, which the threshold prices with the fabric fit and the mode comparison
+    # plays itself. Fitted with the wait left in, the attention term took the READ's growth with
+    # the history and the per-token term fell to 0 (fleet lab: R^2 0.89 vs 0.99 compute only,
+    # break-even 296 tokens where the paired sweep measured 148 [128, 230]).
     try:
-        pc: PrefillCost = prefill_cost(pre_main)
+        pc: PrefillCost = prefill_cost(without_reverse_wait(pre_main))
     except AnalysisError:
         if pre_main is pre_all:
             raise
-        prefill_from = pre_all
-        pc = prefill_cost(pre_all)  # too few of the main mode's prefills: every mode's
+        pc = prefill_cost(without_reverse_wait(pre_all))  # too few of the main mode's: every mode's
     wl: Workload = workload_of(spans)
     bpt, dpt, bpt_from = bytes_per_token_of(tr, geometry)
     if max_context_tokens is None:
@@ -265,15 +268,9 @@ def recommend(spans: pd.DataFrame, *, geometry: Any = None,
         except AnalysisError:
             continue
     block = block_tokens_of(tr, geometry)
-    # the mode comparison plays reverse pulls itself: its prefill cost is compute only (a
-    # bidirectional prefill's kv.prefill span holds the reverse READ it waited for)
-    try:
-        mode_pc = prefill_cost(without_reverse_wait(prefill_from))
-    except AnalysisError:
-        mode_pc = pc
     first = tr["decode_start_ms"].dropna().astype(float) if "decode_start_ms" in tr else None
     first_ms = float(first.median()) if first is not None and len(first) else None
-    mode, f = recommend_mode(wl, mode_fit, mode_pc, bytes_per_token=bpt, descriptors_per_token=dpt,
+    mode, f = recommend_mode(wl, mode_fit, pc, bytes_per_token=bpt, descriptors_per_token=dpt,
                              threshold=thr.value, ttl_s=float(ttl.value),
                              early_decode_ok=early_decode_ok, prefill_instances=prefill_instances,
                              use_simulator=use_simulator,
