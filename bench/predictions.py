@@ -1,6 +1,6 @@
 """The simulator's per-mode TTFT predictions against what a committed example measured.
 
-For each committed ``kvtune tune`` + ``kvtune verify`` run (``examples/verify-*/`` with
+For each committed ``kvtune tune`` + ``kvtune verify`` run (``examples/*/`` with
 ``tune/spans`` and ``verify/verify.json``): recommend from the tune spans as ``kvtune tune`` does,
 rebuild the deployment the recommendation simulated from its ``sim_inputs`` (every number with
 its source, per mode where the trace measured a mode apart), and play the traced workload in each
