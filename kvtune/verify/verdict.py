@@ -137,7 +137,10 @@ def verification_entry(result: VerifyResult, *, result_path: str = "verify/verif
     decision = comp.baseline == RECOMMENDED
     where = f"({result.target}; {result_path})"
     if decision:
-        stat = decision_status(comp.candidate, ch)
+        # the runner-up's mode, not its configuration's name ("the runner-up runner-up")
+        mode = next((c.config.mode for c in result.configs if c.config.name == comp.candidate),
+                    comp.candidate)
+        stat = decision_status(mode, ch)
         detail = f"{comp.verdict} {where}"
     else:
         stat = status(ch)
