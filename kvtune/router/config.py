@@ -261,11 +261,14 @@ def load_config(path: str | Path) -> RouterConfig:
         text = p.read_text()
     except OSError as exc:
         raise ConfigError(f"{p}: cannot read router config: {exc.strerror or exc}") from None
-    import yaml
-    try:
-        data = json.loads(text) if p.suffix.lower() == ".json" else yaml.safe_load(text)
-    except (ValueError, yaml.YAMLError) as exc:
-        raise ConfigError(f"{p}: not valid YAML/JSON: {exc}") from None
+    from kvtune import safe_yaml
+    if p.suffix.lower() == ".json":
+        try:
+            data = json.loads(text)
+        except (ValueError, RecursionError) as exc:
+            raise ConfigError(f"{p}: not valid JSON: {str(exc)[:500]}") from None
+    else:  # aliases bounded, messages truncated (a 380-byte alias bomb fails at once)
+        data = safe_yaml.load(text, source=str(p))
     return config_from_dict(data if data is not None else {}, source=str(p))
 
 
