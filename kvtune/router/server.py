@@ -102,6 +102,11 @@ STREAM_NOTES_MAX_CONVERSATIONS = 100_000
 STREAM_PARAMS_ABSENT_NOTE = (
     "the decode sent no kv_transfer_params in a streamed answer (vLLM before 0.33 sends them only "
     "in non-streamed answers): streamed bidirectional turns recompute the conversation's history")
+MAX_UPSTREAM_BODY_BYTES = 64 * 1024 * 1024
+"""Largest (decompressed) JSON answer read from an upstream: a prefill answers in KiB, a
+completion in MiB at most; a gzip bomb (1 MB inflating to 1 GiB) is cut off here (issue 29)."""
+MAX_UPSTREAM_ERROR_BYTES = 1024 * 1024
+"""Bytes of an upstream's error answer kept (passed through to the client, quoted in logs)."""
 _FORWARDED_HEADERS = ("Authorization",)
 _ERROR_BODY_LIMIT = 2000
 
@@ -292,6 +297,19 @@ def _has_text(event: Mapping[str, Any]) -> bool:
         if isinstance(delta, dict) and (delta.get("content") or delta.get("reasoning_content")):
             return True
     return False
+
+
+async def _read_capped(resp: aiohttp.ClientResponse, limit: int) -> bytes | None:
+    """The answer's (decompressed) body, or None once it grows past ``limit`` bytes (for an error
+    answer: its first ``limit`` bytes)."""
+    buf = bytearray()
+    async for chunk in resp.content.iter_chunked(1 << 16):
+        buf += chunk
+        if len(buf) > limit:
+            if resp.status != 200:
+                return bytes(buf[:limit])
+            return None
+    return bytes(buf)
 
 
 def _usage(body: Mapping[str, Any], key: str) -> int | None:
@@ -721,7 +739,11 @@ class Router:
         try:
             async with self._session.post(inst.url + path, json=body, headers=dict(headers),
                                           timeout=timeout) as resp:
-                data = await resp.read()
+                data = await _read_capped(resp, MAX_UPSTREAM_BODY_BYTES if resp.status == 200
+                                          else MAX_UPSTREAM_ERROR_BYTES)
+                if data is None:
+                    raise UpstreamError(leg, inst.url, f"answer larger than "
+                                        f"{MAX_UPSTREAM_BODY_BYTES} bytes (decompressed); not read")
                 if resp.status != 200:
                     raise UpstreamError(leg, inst.url, f"HTTP {resp.status}: "
                                         f"{data[:_ERROR_BODY_LIMIT].decode(errors='replace')}",
