@@ -187,6 +187,11 @@ ERROR_TYPE: Final = "error.type"
 """Class of error when a span ends in ERROR status."""
 EXCEPTION_MESSAGE: Final = "exception.message"
 """An error's message, on span events that report one (OpenTelemetry's name)."""
+REUSE_REFUSED_REASON: Final = "kv.reuse.refused_reason"
+"""On the ``kv.router.reuse_refused`` event: one of :class:`ReuseRefusal` (an event attribute,
+not a span column)."""
+REUSE_REFUSED_DETAIL: Final = "kv.reuse.refused_detail"
+"""On the ``kv.router.reuse_refused`` event: the refusal in words (which history, what differed)."""
 
 HTTP_CONNECTION_REUSED: Final = "kv.http.connection_reused"
 """On the router's legs: True when the leg's HTTP request went over a pooled (kept-alive)
@@ -255,6 +260,20 @@ class ReuseOutcome(str, Enum):
     """No retained history offered (first turn)."""
 
 
+class ReuseRefusal(str, Enum):
+    """Why the router did not offer a conversation's held KV to a turn, or did not keep a turn's
+    KV for the next one (:data:`REUSE_REFUSED_REASON`)."""
+
+    HISTORY_DIFFERS = "history_differs"
+    """The prompt does not begin with exactly the history the held KV encodes (another client
+    naming the conversation, or an edited or trimmed history): served without reuse."""
+    UNBOUND = "unbound"
+    """The stored params carry no history digest (stored by an older router): not offered."""
+    HISTORY_UNKNOWN = "history_unknown"
+    """This turn's history cannot be bound (several choices, ``echo``, token ids not returned,
+    tool calls streamed): its KV is not offered to the next turn."""
+
+
 class RetentionOutcome(str, Enum):
     REUSED = "reused"
     EXPIRED = "expired"
@@ -295,6 +314,11 @@ class EventName(str, Enum):
     """Router, on ``kv.request`` (bidirectional): a streamed decode answer carried no
     ``kv_transfer_params`` (vLLM before 0.33 sends none in SSE), so the conversation's next turn
     recomputes its history. Added once per conversation (per router process)."""
+    REUSE_REFUSED = "kv.router.reuse_refused"
+    """Router, on ``kv.request`` (bidirectional): the conversation's held KV was not offered to
+    this turn, or this turn's KV is not kept for the next (:data:`REUSE_REFUSED_REASON` says
+    which and why; ``kv.reuse.remote_tokens`` the tokens withheld). The turn is served without
+    reuse."""
     STATE_ERROR = "kv.router.state_error"
     """Router, on ``kv.request``: the conversation store failed; the request was served without
     the conversation's history (``error.type`` and ``exception.message`` attributes say why)."""

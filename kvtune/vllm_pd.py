@@ -75,6 +75,12 @@ PARAM_KEYS: Final = (DO_REMOTE_DECODE, DO_REMOTE_PREFILL, REMOTE_ENGINE_ID, REMO
 CONTEXT_KEYS: Final = (spans.KV_PARAMS_TRACEPARENT, spans.KV_PARAMS_CONVERSATION_ID,
                        spans.KV_PARAMS_TURN)
 """kvtune's carriers inside ``kv_transfer_params`` that each request sets anew."""
+KV_PARAMS_HISTORY: Final = "kvtune_history"
+"""The router's own key in the params it stores per conversation (never sent to vLLM): the digest
+of the history the decode's held KV encodes (:mod:`kvtune.router.binding`); the blocks are offered
+only to a prompt that begins with exactly that history."""
+ROUTER_ONLY_KEYS: Final = (KV_PARAMS_HISTORY,)
+"""Keys the router keeps with stored params and removes before any leg is sent."""
 STREAMED_PARAMS_SINCE: Final = "0.33"
 """The vLLM release from which a streamed answer carries ``kv_transfer_params`` (last chunk)."""
 
@@ -226,7 +232,8 @@ def prefill_leg_params(reuse: Mapping[str, Any] | None = None) -> dict[str, Any]
     """The prefill's ``kv_transfer_params`` (every mode): ``{do_remote_decode: true}``, or, in
     bidirectional mode, the decode's answer of the conversation's previous turn (``reuse``: its
     retained blocks) so the prefill pulls that history back."""
-    return {**(reuse or {}), DO_REMOTE_DECODE: True}
+    kept = {k: v for k, v in (reuse or {}).items() if k not in ROUTER_ONLY_KEYS}
+    return {**kept, DO_REMOTE_DECODE: True}
 
 
 def pull_decode_leg_params(prefill_answer: Mapping[str, Any]) -> dict[str, Any]:

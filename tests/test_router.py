@@ -48,14 +48,17 @@ def test_modes_end_to_end(mode, stream, tmp_path, tracer, exporter):
     with StandInVllmCluster(1, 1, bidirectional=mode == "bidirectional") as cluster, \
             RouterInThread(cluster.router_config(mode, state=f"sqlite:{tmp_path}/s.db"),
                            tracer=tracer) as router:
-        answers = [post(router.url + "/v1/completions",
-                        _completion(f"turn {t} " + "hello " * 5 * t, conv="conv-A", stream=stream))
-                   for t in (1, 2)]
+        answers, history = [], ""
+        for t in (1, 2):  # turn 2 continues turn 1 (its prompt, then its answer)
+            prompt = history + f" turn {t}" + " hello" * 5 * t
+            answers.append(post(router.url + "/v1/completions",
+                                _completion(prompt, conv="conv-A", stream=stream)))
+            history = prompt + answers[-1].text()
         prefill, decode = cluster.requests("prefill"), cluster.requests("decode")
 
     for a in answers:
         assert a.status == 200, a.body
-        assert a.text() == "w0 w1 w2"
+        assert a.text() == " w0 w1 w2"  # a completion continues its prompt
         if stream:
             assert a.headers["Content-Type"].startswith("text/event-stream")
             assert a.body.rstrip().endswith(b"data: [DONE]")
@@ -88,8 +91,7 @@ def test_modes_end_to_end(mode, stream, tmp_path, tracer, exporter):
         assert attrs[spans.TURN] == turn and attrs[spans.STREAM] is stream
         assert attrs[spans.PREFILL_INSTANCE] == cluster.prefill[0].url
         assert attrs[spans.DECODE_INSTANCE] == cluster.decode[0].url
-        assert attrs[spans.PROMPT_TOKENS] == len(_completion(f"turn {turn} " + "hello " * 5 * turn)
-                                                 ["prompt"].split())
+        assert attrs[spans.PROMPT_TOKENS] == len(p.body["prompt"].split())
         assert attrs[spans.OUTPUT_TOKENS] == 3 and attrs[spans.HTTP_STATUS] == 200
         assert attrs[spans.TTFT_MS] > 0 and attrs[spans.BASE_REQUEST_ID] == rid
         assert span.status.status_code != StatusCode.ERROR
@@ -178,9 +180,9 @@ def test_expired_params_are_not_sent(tmp_path):
         url = router.url + "/v1/completions"
         assert post(url, _completion("a b c", conv="x")).status == 200
         time.sleep(1.6)  # past the router's TTL (measured from when turn 1's params were stored)
-        assert post(url, _completion("a b c d e f", conv="x")).status == 200
+        assert post(url, _completion("a b c w0 w1 w2 d e f", conv="x")).status == 200
         # Control: a turn right after the previous one does carry its params.
-        assert post(url, _completion("a b c d e f g h", conv="x")).status == 200
+        assert post(url, _completion("a b c w0 w1 w2 d e f w0 w1 w2 g h", conv="x")).status == 200
         prefill, decode = cluster.requests("prefill"), cluster.requests("decode")
     assert REMOTE_BLOCK_IDS not in prefill[1].body[KV_TRANSFER_PARAMS]
     assert prefill[1].body[KV_TRANSFER_PARAMS][spans.KV_PARAMS_TURN] == 2
@@ -204,7 +206,7 @@ def test_concurrent_conversations_keep_their_own_state(tmp_path, tracer, exporte
                 history += f" t{t}"
                 a = post(url, _completion(history, conv=f"conv-{i}"), timeout_s=60)
                 statuses.append(a.status)
-                history += " " + a.text()
+                history += a.text()
             return statuses
 
         with ThreadPoolExecutor(n_conv) as pool:

@@ -166,8 +166,8 @@ def test_router_with_redis_state_carries_params_across_restart(redis_url, tmp_pa
         finally:
             first.kill()
         with RouterProcess(config, workdir=tmp_path / "r2") as second:
-            assert post(second.url + "/v1/completions", {**body, "prompt": "a b c w0 d"}).status == 200
+            assert post(second.url + "/v1/completions", {**body, "prompt": "a b c w0 w1 d"}).status == 200
         returned = cluster.requests("decode")[0].returned_kv_params
         sent = cluster.requests("prefill")[1].body[KV_TRANSFER_PARAMS]
     assert sent[REMOTE_BLOCK_IDS] == returned[REMOTE_BLOCK_IDS]
-    assert cluster.prefill[0].received[1].pulled_tokens == 5  # min(3 + 2 held, 5 in prompt)
+    assert cluster.prefill[0].received[1].pulled_tokens == 5  # min(3 + 2 held, 6 in prompt)

@@ -25,23 +25,32 @@ def _plain(params):
     return {k: v for k, v in params.items() if k not in CONTEXT_KEYS}
 
 
-def _turn_body(endpoint: str, history: str, conv: str) -> dict:
+def _turn_body(endpoint: str, history: str | list, conv: str) -> dict:
     body = {"model": "m", "max_tokens": 3, "stream": True, "conversation_id": conv,
             "stream_options": {"include_usage": True}}
     if endpoint == "/v1/chat/completions":
-        body["messages"] = [{"role": "user", "content": history}]
+        body["messages"] = list(history)
     else:
         body["prompt"] = history
     return body
 
 
 def _conversation(url: str, endpoint: str, conv: str, turns: int = TURNS):
-    answers, history = [], f"{conv} start"
+    """Each turn continues the last: its prompt (or messages), the answer, a new part."""
+    chat = endpoint == "/v1/chat/completions"
+    answers: list = []
+    history: str | list = [] if chat else f"{conv} start"
     for t in range(1, turns + 1):
-        history += f" t{t}"
+        if chat:
+            history = [*history, {"role": "user", "content": f"{conv} t{t}"}]
+        else:
+            history += f" t{t}"
         a = post(url + endpoint, _turn_body(endpoint, history, conv), timeout_s=60)
         answers.append(a)
-        history += " " + a.text()
+        if chat:
+            history = [*history, {"role": "assistant", "content": a.text()}]
+        else:
+            history += a.text()
     return answers
 
 

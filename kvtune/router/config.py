@@ -18,6 +18,9 @@ Configuration file keys (YAML or JSON; ``kvtune.export`` writes ``router.yaml`` 
     prefill_timeout_s: 600       # whole prefill leg
     decode_timeout_s: 600        # whole non-streaming decode leg
     stream_idle_timeout_s: 300   # longest silence between two chunks of a streaming decode
+    tenant_header: X-Tenant      # optional: a request header holding the client's tenant key (e.g.
+                                 #   a hash of its API key); conversation ids are scoped by it, and
+                                 #   a request naming a conversation without it gets 400
     telemetry: {}                # keyword arguments for kvtune.telemetry.setup(Role.ROUTER, ...)
     prefill:                     # one or more prefill instances
       - url: http://127.0.0.1:8100
@@ -44,6 +47,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from kvtune.errors import ConfigError
+from kvtune.redact import redact_url
 from kvtune.spans import PD_MODES, Mode
 from kvtune.vllm_pd import DEFAULT_DECODER_KV_BLOCKS_TTL_S, router_margin_s
 
@@ -90,6 +94,8 @@ class RouterConfig:
     prefill_timeout_s: float = 600.0
     decode_timeout_s: float = 600.0
     stream_idle_timeout_s: float = 300.0
+    tenant_header: str | None = None
+    """A request header whose value (a tenant key) scopes conversation ids; None: no tenants."""
     telemetry: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -132,7 +138,7 @@ def _validate(cfg: RouterConfig, source: str = "router config") -> None:
             parts = urlsplit(inst.url)
             if parts.scheme not in ("http", "https") or not parts.hostname:
                 raise ConfigError(f"{source}: field '{role}[{i}].url': expected an http(s) URL, "
-                                  f"got {inst.url!r}")
+                                  f"got {redact_url(inst.url)!r}")
             if inst.tp_size < 1 or inst.pp_size < 1:
                 raise ConfigError(f"{source}: field '{role}[{i}].tp_size/pp_size': expected >= 1")
             if role == "prefill" and cfg.mode == Mode.PUSH and (
@@ -161,10 +167,15 @@ def _validate(cfg: RouterConfig, source: str = "router config") -> None:
     if cfg.max_body_bytes < 1024:
         raise ConfigError(f"{source}: field 'max_body_bytes': expected >= 1024, "
                           f"got {cfg.max_body_bytes!r}")
+    if cfg.tenant_header is not None and not (
+            isinstance(cfg.tenant_header, str) and cfg.tenant_header.isascii()
+            and cfg.tenant_header and all(c.isalnum() or c in "-_" for c in cfg.tenant_header)):
+        raise ConfigError(f"{source}: field 'tenant_header': expected an HTTP header name "
+                          f"(letters, digits, '-', '_'), got {cfg.tenant_header!r:.80}")
     if not (cfg.state.startswith("sqlite:") or cfg.state.startswith("redis://")
             or cfg.state == ":memory:"):
         raise ConfigError(f"{source}: field 'state': expected 'sqlite:PATH' or 'redis://HOST:PORT/DB', "
-                          f"got {cfg.state!r}")
+                          f"got {redact_url(cfg.state)!r}")
 
 
 def _instance(value: Any, where: str) -> InstanceConfig:
@@ -215,6 +226,8 @@ def config_from_dict(data: Mapping[str, Any], *, source: str = "router config") 
     for name in ("host", "state"):
         if name in data:
             kwargs[name] = str(data[name])
+    if data.get("tenant_header") is not None:
+        kwargs["tenant_header"] = str(data["tenant_header"])
     for name in ("port", "max_body_bytes", "max_connections"):
         if name in data:
             try:
@@ -248,11 +261,14 @@ def load_config(path: str | Path) -> RouterConfig:
         text = p.read_text()
     except OSError as exc:
         raise ConfigError(f"{p}: cannot read router config: {exc.strerror or exc}") from None
-    import yaml
-    try:
-        data = json.loads(text) if p.suffix.lower() == ".json" else yaml.safe_load(text)
-    except (ValueError, yaml.YAMLError) as exc:
-        raise ConfigError(f"{p}: not valid YAML/JSON: {exc}") from None
+    from kvtune import safe_yaml
+    if p.suffix.lower() == ".json":
+        try:
+            data = json.loads(text)
+        except (ValueError, RecursionError) as exc:
+            raise ConfigError(f"{p}: not valid JSON: {str(exc)[:500]}") from None
+    else:  # aliases bounded, messages truncated (a 380-byte alias bomb fails at once)
+        data = safe_yaml.load(text, source=str(p))
     return config_from_dict(data if data is not None else {}, source=str(p))
 
 

@@ -6,6 +6,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+from kvtune.redact import redact_url
 from kvtune.router.config import InstanceConfig
 
 
@@ -59,5 +60,5 @@ class InstancePool:
         return self._in_flight[index]
 
     def snapshot(self) -> list[InstanceLoad]:
-        return [InstanceLoad(inst.url, self._in_flight[i], self._total[i], self._failures[i])
+        return [InstanceLoad(redact_url(inst.url), self._in_flight[i], self._total[i], self._failures[i])
                 for i, inst in enumerate(self.instances)]

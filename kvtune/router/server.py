@@ -70,7 +70,9 @@ from opentelemetry import trace
 from opentelemetry.trace import Link, SpanKind, Status, StatusCode
 
 from kvtune import spans, vllm_pd
+from kvtune.redact import redact_text, redact_url
 from kvtune.errors import RouterError
+from kvtune.router import binding
 from kvtune.router.config import InstanceConfig, RouterConfig
 from kvtune.router.pool import InstancePool
 from kvtune.router.parsing import (MAX_CLIENT_REQUEST_ID_CHARS, REQUEST_ID_HEADER, RequestRejected,
@@ -101,6 +103,11 @@ STREAM_NOTES_MAX_CONVERSATIONS = 100_000
 STREAM_PARAMS_ABSENT_NOTE = (
     "the decode sent no kv_transfer_params in a streamed answer (vLLM before 0.33 sends them only "
     "in non-streamed answers): streamed bidirectional turns recompute the conversation's history")
+MAX_UPSTREAM_BODY_BYTES = 64 * 1024 * 1024
+"""Largest (decompressed) JSON answer read from an upstream: a prefill answers in KiB, a
+completion in MiB at most; a gzip bomb (1 MB inflating to 1 GiB) is cut off here (issue 29)."""
+MAX_UPSTREAM_ERROR_BYTES = 1024 * 1024
+"""Bytes of an upstream's error answer kept (passed through to the client, quoted in logs)."""
 _FORWARDED_HEADERS = ("Authorization",)
 _ERROR_BODY_LIMIT = 2000
 
@@ -111,6 +118,8 @@ class UpstreamError(RouterError):
 
     def __init__(self, leg: str, instance: str, reason: str, *, status: int | None = None,
                  body: bytes = b"", content_type: str | None = None) -> None:
+        # The one redaction rule: the instance's password never reaches a header, body or log.
+        instance, reason = redact_url(instance), redact_text(reason)
         self.leg, self.instance, self.reason = leg, instance, reason
         self.status, self.body, self.content_type = status, body, content_type
         super().__init__(f"{leg} leg failed at {instance}: {reason}")
@@ -155,6 +164,8 @@ class _Call:
     stream: bool
     conversation_id: str | None
     client_request_id: str | None = None
+    store_key: str | None = None
+    """The conversation store's key (the conversation id, scoped by the tenant key if any)."""
     t0: float = field(default_factory=time.perf_counter)
     turn: int | None = None
     prefill_url: str | None = None
@@ -214,6 +225,8 @@ class _SseWatcher:
         self.usage_completion_tokens: int | None = None
         self.kv_transfer_params: dict[str, Any] | None = None
         self.error: Any = None
+        self.reply = binding.Reply()
+        """The answer's text and token ids (to bind the turn's KV to its history)."""
         self.done = False
         """Whether the ``data: [DONE]`` line has been seen."""
 
@@ -257,6 +270,7 @@ class _SseWatcher:
             return False
         if "error" in event:
             self.error = event["error"]
+        self.reply.feed_event(event)
         if isinstance(event.get(vllm_pd.KV_TRANSFER_PARAMS), dict):
             self.kv_transfer_params = event[vllm_pd.KV_TRANSFER_PARAMS]
         usage = event.get("usage")
@@ -284,6 +298,19 @@ def _has_text(event: Mapping[str, Any]) -> bool:
         if isinstance(delta, dict) and (delta.get("content") or delta.get("reasoning_content")):
             return True
     return False
+
+
+async def _read_capped(resp: aiohttp.ClientResponse, limit: int) -> bytes | None:
+    """The answer's (decompressed) body, or None once it grows past ``limit`` bytes (for an error
+    answer: its first ``limit`` bytes)."""
+    buf = bytearray()
+    async for chunk in resp.content.iter_chunked(1 << 16):
+        buf += chunk
+        if len(buf) > limit:
+            if resp.status != 200:
+                return bytes(buf[:limit])
+            return None
+    return bytes(buf)
 
 
 def _usage(body: Mapping[str, Any], key: str) -> int | None:
@@ -420,6 +447,7 @@ class Router:
         self._stream_turns = {"with_params": 0, "without_params": 0}
         self._told_no_stream_params: OrderedDict[str, None] = OrderedDict()
         self._state_errors = 0
+        self._reuse_refused = {r.value: 0 for r in spans.ReuseRefusal}
 
     # --- lifecycle --------------------------------------------------------------------------------
     def make_app(self) -> web.Application:
@@ -487,6 +515,7 @@ class Router:
             "decode": [vars(s) for s in self.decode.snapshot()],
             "streamed_bidirectional": streams,
             "state_errors_total": self._state_errors,
+            "reuse_refused_total": dict(self._reuse_refused),
             "connections": {"open": self._connections.open if self._connections else 0,
                             "refused_total": self._connections.refused if self._connections else 0,
                             "header_timeouts_total": (self._connections.timed_out
@@ -505,13 +534,13 @@ class Router:
                     body = await resp.read()
                     if resp.status == 200:
                         return web.Response(body=body, content_type="application/json")
-                    errors.append(f"{inst.url}: HTTP {resp.status}")
+                    errors.append(f"{redact_url(inst.url)}: HTTP {resp.status}")
             except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
-                errors.append(f"{inst.url}: {type(exc).__name__} {exc}")
+                errors.append(redact_text(f"{redact_url(inst.url)}: {type(exc).__name__} {exc}"))
+        first = redact_url(self.config.decode[0].url)
         return _error_json(502, "no decode instance answered /v1/models: " + "; ".join(errors),
-                           kind="upstream_error", leg="decode", instance=self.config.decode[0].url,
-                           headers={FAILED_LEG_HEADER: "decode",
-                                    FAILED_INSTANCE_HEADER: self.config.decode[0].url})
+                           kind="upstream_error", leg="decode", instance=first,
+                           headers={FAILED_LEG_HEADER: "decode", FAILED_INSTANCE_HEADER: first})
 
     @staticmethod
     def _forward_headers(request: web.Request) -> dict[str, str]:
@@ -556,6 +585,14 @@ class Router:
         call = _Call(request_id=request_id, endpoint=endpoint, stream=parsed.stream,
                      conversation_id=parsed.conversation_id,
                      client_request_id=parsed.client_request_id)
+        if call.conversation_id is not None:
+            tenant_header = self.config.tenant_header
+            tenant = request.headers.get(tenant_header) if tenant_header else None
+            if tenant_header and not tenant:
+                return _error_json(400, f"header {tenant_header!r}: expected the tenant key (the "
+                                   "router's tenant_header) on a request that names a "
+                                   "conversation", kind="invalid_request", headers=ids)
+            call.store_key = binding.store_key(call.conversation_id, tenant)
         links = []
         client_ctx = client_span_context(request.headers)
         if client_ctx is not None:
@@ -582,9 +619,10 @@ class Router:
             except Exception as exc:
                 call.http_status = 500
                 call.error_type = type(exc).__name__
-                call.error_message = f"router error: {exc}"
-                _logger.exception("request %s failed in the router", request_id)
-                response = _error_json(500, f"router error: {type(exc).__name__}: {exc}",
+                call.error_message = redact_text(f"router error: {exc}")
+                _logger.error("request %s failed in the router: %s", request_id,
+                              redact_text(f"{type(exc).__name__}: {exc}"))
+                response = _error_json(500, redact_text(f"router error: {type(exc).__name__}: {exc}"),
                                        kind="router_error", headers=call.response_headers())
             finally:
                 self._finish_span(span, call)
@@ -597,7 +635,8 @@ class Router:
             spans.REQUEST_ID: call.request_id, spans.CLIENT_REQUEST_ID: call.client_request_id,
             spans.ROLE: spans.Role.ROUTER.value,
             spans.CONVERSATION_ID: call.conversation_id, spans.TURN: call.turn,
-            spans.PREFILL_INSTANCE: call.prefill_url, spans.DECODE_INSTANCE: call.decode_url,
+            spans.PREFILL_INSTANCE: call.prefill_url and redact_url(call.prefill_url),
+            spans.DECODE_INSTANCE: call.decode_url and redact_url(call.decode_url),
             spans.PROMPT_TOKENS: call.prompt_tokens, spans.OUTPUT_TOKENS: call.output_tokens,
             spans.TTFT_MS: call.ttft_ms, spans.STREAM: call.stream,
             spans.HTTP_STATUS: call.http_status, spans.REUSE_REMOTE_TOKENS: call.remote_tokens,
@@ -614,18 +653,19 @@ class Router:
     def _state_failed(self, call: _Call, operation: str, exc: Exception) -> None:
         """The conversation store failed: serve on without history, and say so."""
         self._state_errors += 1
+        message = redact_text(str(exc))
         _logger.warning("request %s: conversation store %s failed (served without the "
-                        "conversation's history): %s", call.request_id, operation, exc)
+                        "conversation's history): %s", call.request_id, operation, message)
         call.events.append((spans.EventName.STATE_ERROR.value, {
             spans.ERROR_TYPE: type(exc).__name__,
-            spans.EXCEPTION_MESSAGE: f"{operation}: {exc}"[:1000]}))
+            spans.EXCEPTION_MESSAGE: f"{operation}: {message}"[:1000]}))
 
     async def _route(self, request: web.Request, body: dict[str, Any],
                      call: _Call) -> web.StreamResponse:
         start: TurnStart | None = None
         if call.conversation_id is not None:
             try:
-                start = await asyncio.to_thread(self.store.begin_turn, call.conversation_id)
+                start = await asyncio.to_thread(self.store.begin_turn, call.store_key)
             except Exception as exc:  # a store failure never fails the request
                 self._state_failed(call, "begin_turn", exc)
             else:
@@ -641,6 +681,8 @@ class Router:
             return await self._push(request, body, call, headers, traceparent)
         reuse = start.kv_transfer_params if (
             start is not None and self.config.mode == spans.Mode.BIDIRECTIONAL) else None
+        if reuse:
+            reuse = self._offer(call, body, reuse)
         return await self._pull(request, body, call, headers, traceparent, reuse)
 
     # --- legs -------------------------------------------------------------------------------------
@@ -703,7 +745,11 @@ class Router:
         try:
             async with self._session.post(inst.url + path, json=body, headers=dict(headers),
                                           timeout=timeout) as resp:
-                data = await resp.read()
+                data = await _read_capped(resp, MAX_UPSTREAM_BODY_BYTES if resp.status == 200
+                                          else MAX_UPSTREAM_ERROR_BYTES)
+                if data is None:
+                    raise UpstreamError(leg, inst.url, f"answer larger than "
+                                        f"{MAX_UPSTREAM_BODY_BYTES} bytes (decompressed); not read")
                 if resp.status != 200:
                     raise UpstreamError(leg, inst.url, f"HTTP {resp.status}: "
                                         f"{data[:_ERROR_BODY_LIMIT].decode(errors='replace')}",
@@ -814,7 +860,7 @@ class Router:
                 err = UpstreamError("decode", inst.url, f"stream broke: {reason}")
                 call.error_type, call.error_message = type(err).__name__, str(err)
                 event = {"error": {"message": str(err), "type": "upstream_error", "code": 502,
-                                   "leg": "decode", "instance": inst.url}}
+                                   "leg": "decode", "instance": err.instance}}
                 await out.write(b"data: " + json.dumps(event).encode() + b"\n\n")
             await out.write_eof()
         except ConnectionResetError:
@@ -871,7 +917,8 @@ class Router:
                     upstream = await self._open_stream("decode", d_inst, call.endpoint, d_body,
                                                        headers, call)
                     async def turn_done(watcher: _SseWatcher) -> None:
-                        await self._remember(call, watcher.kv_transfer_params, d_inst)
+                        await self._remember(call, watcher.kv_transfer_params, d_inst, body,
+                                             watcher.reply)
                         self._count_stream_params(call, watcher, d_inst)
 
                     out, _ = await self._relay_stream(request, upstream, d_inst, call,
@@ -885,17 +932,43 @@ class Router:
         call.output_tokens = _usage(d_resp, "completion_tokens")
         if call.prompt_tokens is None:
             call.prompt_tokens = _usage(d_resp, "prompt_tokens")
-        await self._remember(call, d_resp.get(vllm_pd.KV_TRANSFER_PARAMS), d_inst)
+        await self._remember(call, d_resp.get(vllm_pd.KV_TRANSFER_PARAMS), d_inst, body,
+                             binding.Reply.from_answer(d_resp))
         return web.json_response(d_resp, headers=call.response_headers())
 
-    async def _remember(self, call: _Call, params: Any, inst: InstanceConfig) -> None:
-        """Bidirectional: store the decode's returned params for the conversation's next turn."""
-        if self.config.mode != spans.Mode.BIDIRECTIONAL or call.conversation_id is None:
+    def _offer(self, call: _Call, body: Mapping[str, Any],
+               stored: Mapping[str, Any]) -> Mapping[str, Any] | None:
+        """The stored params this turn may be offered: only to a prompt that begins with the
+        history they encode (:mod:`kvtune.router.binding`); otherwise none, counted and told."""
+        offer = binding.offer(stored, body, call.endpoint == CHAT_PATH)
+        if offer.refusal is not None:
+            self._refuse_reuse(call, offer.refusal, offer.detail, vllm_pd.offered_tokens(stored))
+        return offer.params
+
+    def _refuse_reuse(self, call: _Call, reason: spans.ReuseRefusal, detail: str,
+                      tokens: int | None) -> None:
+        self._reuse_refused[reason.value] += 1
+        attributes: dict[str, Any] = {
+            spans.REUSE_REFUSED_REASON: reason.value, spans.CONVERSATION_ID: call.conversation_id,
+            spans.REUSE_REMOTE_TOKENS: tokens, spans.REUSE_REFUSED_DETAIL: detail[:500]}
+        call.events.append((spans.EventName.REUSE_REFUSED.value,
+                            {k: v for k, v in attributes.items() if v is not None}))
+
+    async def _remember(self, call: _Call, params: Any, inst: InstanceConfig, body: Mapping[str, Any],
+                        reply: binding.Reply) -> None:
+        """Bidirectional: store the decode's returned params for the conversation's next turn,
+        bound to the history their KV encodes (this turn's prompt and answer)."""
+        if self.config.mode != spans.Mode.BIDIRECTIONAL or call.store_key is None:
             return
         if isinstance(params, dict) and vllm_pd.holds_blocks(params):
+            history, why = binding.history_of(body, call.endpoint == CHAT_PATH, reply)
+            if history is None:
+                self._refuse_reuse(call, spans.ReuseRefusal.HISTORY_UNKNOWN, why,
+                                   vllm_pd.offered_tokens(params))
+                return
             try:
-                await asyncio.to_thread(self.store.store_params, call.conversation_id, params,
-                                        inst.url)
+                await asyncio.to_thread(self.store.store_params, call.store_key,
+                                        binding.bind(params, history), inst.url)
             except Exception as exc:  # the answer is already the client's
                 self._state_failed(call, "store_params", exc)
 
@@ -917,11 +990,11 @@ class Router:
         if len(told) > STREAM_NOTES_MAX_CONVERSATIONS:
             told.popitem(last=False)
         call.events.append((spans.EventName.STREAM_PARAMS_ABSENT.value, {
-            spans.CONVERSATION_ID: call.conversation_id, spans.DECODE_INSTANCE: inst.url,
+            spans.CONVERSATION_ID: call.conversation_id, spans.DECODE_INSTANCE: redact_url(inst.url),
             spans.EXCEPTION_MESSAGE: STREAM_PARAMS_ABSENT_NOTE}))
         if len(told) == 1:
             _logger.warning("%s (decode %s); told once per conversation in a span event and in "
-                            "/health", STREAM_PARAMS_ABSENT_NOTE, inst.url)
+                            "/health", STREAM_PARAMS_ABSENT_NOTE, redact_url(inst.url))
 
     async def _push(self, request: web.Request, body: dict[str, Any], call: _Call,
                     headers: dict[str, str], traceparent: str | None) -> web.StreamResponse:
@@ -1021,8 +1094,8 @@ async def serve(config: RouterConfig, *, port_file: str | None = None,
     router = Router(config, tracer=tracer)
     url = await router.start()
     _logger.info("kvtune router (%s mode) on %s; prefill %s; decode %s; state %s",
-                 config.mode.value, url, [i.url for i in config.prefill],
-                 [i.url for i in config.decode], config.state)
+                 config.mode.value, url, [redact_url(i.url) for i in config.prefill],
+                 [redact_url(i.url) for i in config.decode], redact_url(config.state))
     if port_file:
         tmp = f"{port_file}.tmp{os.getpid()}"
         with open(tmp, "w") as fh:

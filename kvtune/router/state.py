@@ -28,6 +28,8 @@ from typing import Any, Protocol, runtime_checkable
 from urllib.parse import urlsplit
 
 from kvtune.errors import RouterError
+from kvtune.redact import redact_url
+from kvtune.vllm_pd import ROUTER_ONLY_KEYS
 
 Clock = Callable[[], float]
 """Wall-clock seconds since the epoch (``time.time``); injectable for tests."""
@@ -203,7 +205,9 @@ class SqliteConversationStore:
         if row is None or row[0] is None or row[1] is None or row[1] <= self._clock():
             return None
         params = json.loads(row[0])
-        return params if isinstance(params, dict) else None
+        if not isinstance(params, dict):
+            return None
+        return {k: v for k, v in params.items() if k not in ROUTER_ONLY_KEYS}
 
     def forget(self, conversation_id: str) -> None:
         """Drop ``conversation_id`` (turn counter and params): its next turn is its first."""
@@ -397,15 +401,17 @@ class RedisConversationStore:
                  clock: Clock = time.time, prefix: str = "kvtune:router:",
                  timeout_s: float = 10.0) -> None:
         parts = urlsplit(url)
+        shown = redact_url(url)
         if parts.scheme != "redis" or not parts.hostname:
-            raise RouterError(f"state {url!r}: expected redis://[:PASSWORD@]HOST[:PORT][/DB]")
+            raise RouterError(f"state {shown!r}: expected redis://[:PASSWORD@]HOST[:PORT][/DB]")
         try:
             db = int(parts.path.strip("/") or 0)
             port = parts.port or 6379
         except ValueError:
-            raise RouterError(f"state {url!r}: expected redis://[:PASSWORD@]HOST[:PORT][/DB] with "
+            raise RouterError(f"state {shown!r}: expected redis://[:PASSWORD@]HOST[:PORT][/DB] with "
                               "integer PORT and DB") from None
-        self.url = url
+        self.url = shown
+        """The store's URL as shown (its password redacted)."""
         self.params_ttl_s, self.retention_s = float(params_ttl_s), float(retention_s)
         self._clock, self._prefix = clock, prefix
         self._lock = threading.Lock()
@@ -414,10 +420,10 @@ class RedisConversationStore:
             with self._lock:
                 pong = self._r.exchange([("PING",)])[0]
         except StateStoreError as exc:
-            raise RouterError(f"state {url}: cannot reach Redis: {exc}") from None
+            raise RouterError(f"state {shown}: cannot reach Redis: {exc}") from None
         if pong != "PONG":
             self._r.close()
-            raise RouterError(f"state {url}: unexpected PING reply {pong!r}")
+            raise RouterError(f"state {shown}: unexpected PING reply {pong!r}")
 
     def _k(self, kind: str, conversation_id: str) -> bytes:
         return f"{self._prefix}{kind}:".encode() + conversation_id.encode("utf-8")

@@ -15,7 +15,9 @@ Streaming speaks either release's format (``sse_kv_params``): vLLM 0.32 sends no
 the stream's last chunk (the one whose choice carries ``finish_reason``; a usage chunk, when asked
 for, follows it). The exact bytes of each stream are kept in ``sent_streams``.
 
-Tokens are whitespace-separated words of the prompt (or of the chat messages' contents).
+Tokens are whitespace-separated words of the prompt (or of the chat messages' contents). A
+completion's text starts with a space (``" w0 w1"``), as vLLM's decoded word tokens do, so a
+conversation's next prompt is ``prompt + text + ...``; a chat message's content does not.
 """
 from __future__ import annotations
 
@@ -39,6 +41,8 @@ STANDIN_MODEL = "standin-model"
 SSE_FORMATS = ("0.32", "0.33")
 """vLLM releases whose SSE the stand-ins speak: 0.33 carries ``kv_transfer_params`` in the last
 chunk of a stream, 0.32 does not."""
+OUTPUT_TOKEN_ID_BASE = 1_000_000
+"""Token id of the generated word ``w<i>`` (``return_token_ids``): ``OUTPUT_TOKEN_ID_BASE + i``."""
 PUSH_WAIT_S = 60.0
 """How long a push decode stand-in waits for its prefill before failing (a bounded wait)."""
 
@@ -86,6 +90,13 @@ def _prompt_words(path: str, body: Mapping[str, Any]) -> list[str]:
     if isinstance(prompt, list):
         prompt = " ".join(str(p) for p in prompt)
     return str(prompt).split()
+
+
+def _pieces(out_words: Sequence[str], chat: bool) -> list[str]:
+    """The text of each generated token: a completion continues its prompt, so every word comes
+    with its leading space (as vLLM decodes word tokens: ``prompt + text`` is the history); a chat
+    message's content starts with its first word."""
+    return [word if chat and i == 0 else " " + word for i, word in enumerate(out_words)]
 
 
 class StandInVllmServer:
@@ -234,16 +245,19 @@ class StandInVllmServer:
             self.ledger.retained[returned[pd.REMOTE_REQUEST_ID]] = returned
         self._record(request, body, 200, returned)
         if not body.get("stream"):
-            return web.json_response(self._answer(request.path, rid, out_words, len(words), returned))
+            return web.json_response(self._answer(request.path, rid, out_words, len(words), returned,
+                                                  token_ids=bool(body.get("return_token_ids"))))
         return await self._stream(request, rid, out_words, len(words), body,
                                   returned if self.sse_format == "0.33" else None)
 
     @staticmethod
     def _answer(path: str, rid: str, out_words: Sequence[str], prompt_tokens: int,
-                kv_params: Mapping[str, Any] | None) -> dict[str, Any]:
-        text = " ".join(out_words)
+                kv_params: Mapping[str, Any] | None, *, token_ids: bool = False) -> dict[str, Any]:
         chat = path.endswith("/chat/completions")
+        text = "".join(_pieces(out_words, chat))
         choice: dict[str, Any] = {"index": 0, "finish_reason": "length"}
+        if token_ids:  # vLLM's return_token_ids: the generated tokens' ids
+            choice["token_ids"] = [OUTPUT_TOKEN_ID_BASE + i for i in range(len(out_words))]
         if chat:
             choice["message"] = {"role": "assistant", "content": text}
         else:
@@ -275,12 +289,13 @@ class StandInVllmServer:
         if chat:
             await send({**base, "choices": [{"index": 0, "delta": {"role": "assistant",
                                                                    "content": ""}}]})
-        for i, word in enumerate(out_words):
-            text = word if i == 0 else " " + word
+        for i, text in enumerate(_pieces(out_words, chat)):
             last = i == len(out_words) - 1
             choice: dict[str, Any] = ({"index": 0, "delta": {"content": text}} if chat
                                       else {"index": 0, "text": text, "logprobs": None})
             choice["finish_reason"] = "length" if last else None
+            if body.get("return_token_ids"):
+                choice["token_ids"] = [OUTPUT_TOKEN_ID_BASE + i]
             event: dict[str, Any] = {**base, "choices": [choice]}
             if last and kv_params is not None:
                 event[pd.KV_TRANSFER_PARAMS] = dict(kv_params)

@@ -20,6 +20,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from kvtune.errors import TraceSourceError
+from kvtune.redact import redact_url as redact
 
 MAX_REDIRECTS = 5
 """Same-origin redirects followed for one request before it is refused."""
@@ -35,16 +36,6 @@ class Answer:
     status: int
     body: bytes
     url: str
-
-
-def redact(url: str) -> str:
-    """``url`` without a password in its user info (``http://user:***@host/``). Plain code of the
-    Tempo reader's own; the router's redaction rule is to be joined with it."""
-    parts = urllib.parse.urlsplit(url)
-    if parts.password is None:
-        return url
-    host = parts.netloc.rsplit("@", 1)[1]
-    return urllib.parse.urlunsplit(parts._replace(netloc=f"{parts.username}:***@{host}"))
 
 
 def origin(url: str) -> tuple[str, str, int]:

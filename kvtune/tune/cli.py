@@ -56,7 +56,8 @@ def load_parameters(args: argparse.Namespace) -> dict[str, Any]:
         path = Path(args.parameters_file)
         if not path.exists():
             raise ConfigError(f"parameters file {path}: no such file")
-        loaded = yaml.safe_load(path.read_text()) or {}
+        from kvtune import safe_yaml
+        loaded = safe_yaml.load(path.read_text(), source=f"parameters file {path}") or {}
         if not isinstance(loaded, dict):
             raise ConfigError(f"parameters file {path}: expected a mapping of name: value")
         params.update(loaded)

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
 
+from kvtune import safe_yaml
 from kvtune.errors import ConfigError
 from kvtune.vllm_pd import (BIDIRECTIONAL_KV_XFER, DECODER_KV_BLOCKS_TTL, KV_CONNECTOR,
                             KV_CONNECTOR_EXTRA_CONFIG, KV_RECOMPUTE_THRESHOLD, MODES)
@@ -185,23 +186,27 @@ def from_kv_transfer_config(data: dict[str, Any], *, name: str, source: str) -> 
 
 
 def _read(path: Path) -> Any:
-    import yaml
+    from kvtune import safe_yaml
 
     if path.stat().st_size > MAX_CONFIG_BYTES:
         raise ConfigError(f"verify config {path}: larger than {MAX_CONFIG_BYTES} bytes")
     text = path.read_text(errors="replace")
-    try:
-        return json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
-    except (json.JSONDecodeError, yaml.YAMLError) as exc:
-        raise ConfigError(f"verify config {path}: expected JSON or YAML: {exc}"[:500]) from None
+    if path.suffix == ".json":
+        try:
+            return json.loads(text)
+        except (json.JSONDecodeError, RecursionError) as exc:
+            raise ConfigError(f"verify config {path}: expected JSON: {exc}"[:500]) from None
+    # aliases bounded, messages truncated: a 380-byte alias bomb fails at once
+    return safe_yaml.load(text, source=f"verify config {path}")
 
 
 def _int_or_none(v: Any, where: Any, field: str) -> int | None:
     if v is None:
         return None
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or v != int(v) or v < 0:
-        raise ConfigError(f"verify config {where}: field {field!r}: expected an integer >= 0, "
-                          f"got {v!r}")
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) \
+            or v != int(v) or v < 0:
+        raise ConfigError(f"verify config {where}: field {field!r}: expected a finite integer "
+                          f">= 0, got {safe_yaml.shown(v)}")
     return int(v)
 
 
@@ -210,7 +215,7 @@ def _float_or_none(v: Any, where: Any, field: str) -> float | None:
         return None
     if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
         raise ConfigError(f"verify config {where}: field {field!r}: expected a number of "
-                          f"seconds >= 0, got {v!r}")
+                          f"seconds >= 0, got {safe_yaml.shown(v)}")
     return float(v)
 
 
