@@ -80,7 +80,8 @@ from kvtune.router.parsing import (MAX_CLIENT_REQUEST_ID_CHARS, REQUEST_ID_HEADE
 from kvtune.router.state import ConversationStore, TurnStart, open_store
 from kvtune.router.tracing import (TRACEPARENT_HEADER, TRACER_NAME, begin_phases,
                                    client_span_context, client_trace_config, current_traceparent,
-                                   end_phases, leg_ended, leg_started, set_attributes)
+                                   end_phases, leg_body_read, leg_ended, leg_started,
+                                   set_attributes)
 
 _logger = logging.getLogger(__name__)
 
@@ -306,6 +307,7 @@ async def _read_capped(resp: aiohttp.ClientResponse, limit: int) -> bytes | None
     buf = bytearray()
     async for chunk in resp.content.iter_chunked(1 << 16):
         buf += chunk
+        leg_body_read(len(chunk))
         if len(buf) > limit:
             if resp.status != 200:
                 return bytes(buf[:limit])

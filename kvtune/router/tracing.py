@@ -220,10 +220,16 @@ async def _on_sent(session: Any, ctx: Any, params: Any) -> None:
         record.request_bytes += len(params.chunk)
 
 
-async def _on_received(session: Any, ctx: Any, params: Any) -> None:
+def leg_body_read(n_bytes: int) -> None:
+    """The current leg's answer body grew by ``n_bytes``: for bodies read from the stream (the
+    router's capped reads), which aiohttp's chunk signal does not see."""
     record = _LEG.get()
     if record is not None:
-        record.response_bytes = (record.response_bytes or 0) + len(params.chunk)
+        record.response_bytes = (record.response_bytes or 0) + n_bytes
+
+
+async def _on_received(session: Any, ctx: Any, params: Any) -> None:
+    leg_body_read(len(params.chunk))
 
 
 def client_trace_config() -> aiohttp.TraceConfig:
