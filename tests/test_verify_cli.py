@@ -11,6 +11,7 @@ from kvtune.local.regime import FLEET, WARM
 from kvtune.verify import crossover as X
 from kvtune.verify.backends import ClusterBackend, LocalPairBackend
 from kvtune.verify.run import assemble
+from kvtune.verify.tune_link import TUNE_VERIFY_STARTS
 
 
 @pytest.fixture
@@ -35,7 +36,7 @@ def test_two_configs_on_the_local_pair(calls, tmp_path, capsys):
     assert isinstance(backend, LocalPairBackend)
     assert backend.pair_kwargs == {"connector": "vllm", "layout": "quiet", "regime": WARM}
     assert "lab regime warm" in backend.description
-    assert kw["starts"] == 2 and kw["turn_major"] is False  # A B A B by default
+    assert kw["starts"] == TUNE_VERIFY_STARTS and kw["turn_major"] is False  # A B A B A B
     assert len(plans) == 3 and out == tmp_path / "o" and kw["crossover"] is None
     assert json.loads((tmp_path / "w.json").read_text())["format"] == "kvtune.workload/1"
     assert "3 conversations, 6 requests" in kw["workload"]

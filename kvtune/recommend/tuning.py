@@ -17,7 +17,7 @@ from kvtune.analysis.prefill import PrefillCost, local_prefix_hits, prefill_cost
 from kvtune.analysis.transfers import transfers as transfers_table
 from kvtune.analysis.workload import Workload, workload as workload_of
 from kvtune.errors import AnalysisError, ConfigError
-from kvtune.recommend.findings import readiness, versions_in
+from kvtune.recommend.findings import readiness, unnamed_time_finding, versions_in
 from kvtune.recommend.mode import TracedPath, recommend_mode
 from kvtune.recommend.results import NEVER, Finding, Tuning
 from kvtune.recommend.threshold import recommend_threshold
@@ -293,6 +293,8 @@ def recommend(spans: pd.DataFrame, *, geometry: Any = None,
                              traced_path=TracedPath(path, split.main, mode_prefill, block, loop_us))
     findings += f
     findings += readiness(tr, traced, fit=fit, workload=wl, fabric=fabric)
+    unnamed = unnamed_time_finding(traced)  # where TTFT has no span's name (issue 33)
+    findings += [unnamed] if unnamed is not None else []
     # What each Tempo source read (range, traces, spans) and whether its search was cut short.
     findings += [Finding(**f) for r in traced.attrs.get("tempo_reads", ()) for f in r.findings()]
     # A reduced read (kvtune.traces.reduce): what was sampled and how much wider the intervals are.
