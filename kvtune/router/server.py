@@ -18,7 +18,9 @@ upstream), the W3C ``traceparent`` header, and the same traceparent inside
   side channel, TP/PP sizes) and the shared request id.
 - **bidirectional**: pull, plus the ``kv_transfer_params`` the decode returns at the end of each turn
   are stored per conversation and sent as the next turn's prefill ``kv_transfer_params`` (the prefill
-  then pulls the conversation's history back from the decode). Params are handed out once (even
+  then pulls the conversation's history back from the decode), only to a turn whose prompt begins
+  with the history they encode (:mod:`kvtune.router.binding`; a refused turn leaves them stored
+  and stores none of its own). Params are handed out once (even
   when that turn then fails: its prefill may have read the blocks) and expire
   ``decoder_ttl_s - margin_s`` after they were stored. A streamed turn's params come from the SSE
   event that carries ``kv_transfer_params`` (vLLM 0.33 puts them in the stream's last chunk; the
@@ -189,6 +191,9 @@ class _Call:
     """Span events to add to ``kv.request`` (name, attributes)."""
     stream_sent: tuple[float, dict[str, Any] | None] | None = None
     """When the streamed decode leg was sent, and its ``kv_transfer_params``."""
+    keeps_stored: bool = False
+    """The stored params were refused to this turn and left stored for the history they encode:
+    this turn must not replace them with its own."""
 
     def first_token(self) -> None:
         if self.ttft_ms is None:
@@ -726,9 +731,11 @@ class Router:
     async def _route(self, request: web.Request, body: dict[str, Any],
                      call: _Call) -> web.StreamResponse:
         start: TurnStart | None = None
+        bidirectional = self.config.mode == spans.Mode.BIDIRECTIONAL
+        claim = binding.Claim(body, call.endpoint == CHAT_PATH) if bidirectional else None
         if call.conversation_id is not None:
             try:
-                start = await asyncio.to_thread(self.store.begin_turn, call.store_key)
+                start = await asyncio.to_thread(self.store.begin_turn, call.store_key, claim)
             except Exception as exc:  # a store failure never fails the request
                 self._state_failed(call, "begin_turn", exc)
             else:
@@ -742,10 +749,15 @@ class Router:
             headers[TRACEPARENT_HEADER] = traceparent
         if self.config.mode == spans.Mode.PUSH:
             return await self._push(request, body, call, headers, traceparent)
-        reuse = start.kv_transfer_params if (
-            start is not None and self.config.mode == spans.Mode.BIDIRECTIONAL) else None
-        if reuse:
-            reuse = self._offer(call, body, reuse)
+        reuse = None
+        if start is not None and claim is not None and claim.offer is not None:
+            offer = claim.offer
+            if offer.refusal is not None:
+                call.keeps_stored = start.kept
+                self._refuse_reuse(call, offer.refusal, offer.detail + (
+                    "; left stored for that history" if start.kept else ""), claim.tokens)
+            elif start.kv_transfer_params is not None:  # else another turn claimed them first
+                reuse = offer.params
         return await self._pull(request, body, call, headers, traceparent, reuse)
 
     # --- legs -------------------------------------------------------------------------------------
@@ -1017,15 +1029,6 @@ class Router:
                              binding.Reply.from_answer(d_resp))
         return web.json_response(d_resp, headers=call.response_headers())
 
-    def _offer(self, call: _Call, body: Mapping[str, Any],
-               stored: Mapping[str, Any]) -> Mapping[str, Any] | None:
-        """The stored params this turn may be offered: only to a prompt that begins with the
-        history they encode (:mod:`kvtune.router.binding`); otherwise none, counted and told."""
-        offer = binding.offer(stored, body, call.endpoint == CHAT_PATH)
-        if offer.refusal is not None:
-            self._refuse_reuse(call, offer.refusal, offer.detail, vllm_pd.offered_tokens(stored))
-        return offer.params
-
     def _refuse_reuse(self, call: _Call, reason: spans.ReuseRefusal, detail: str,
                       tokens: int | None) -> None:
         self._reuse_refused[reason.value] += 1
@@ -1039,7 +1042,8 @@ class Router:
                         reply: binding.Reply) -> None:
         """Bidirectional: store the decode's returned params for the conversation's next turn,
         bound to the history their KV encodes (this turn's prompt and answer)."""
-        if self.config.mode != spans.Mode.BIDIRECTIONAL or call.store_key is None:
+        if self.config.mode != spans.Mode.BIDIRECTIONAL or call.store_key is None \
+                or call.keeps_stored:
             return
         if isinstance(params, dict) and vllm_pd.holds_blocks(params):
             history, why = binding.history_of(body, call.endpoint == CHAT_PATH, reply)
