@@ -4,7 +4,7 @@ Runs every ``test_property_*`` function of the modules below with ``--examples``
 property (hypothesis; a failure prints its minimal example and the run exits 1), and prints per
 property the examples run, the wall time and the time per example, measured in this run.
 
-    .venv/bin/python bench/fuzz.py [--examples 20000] [--only traces|probe]
+    .venv/bin/python bench/fuzz.py [--examples 20000] [--only traces|probe|binding]
 """
 from __future__ import annotations
 
@@ -17,7 +17,8 @@ import time
 import traceback
 from pathlib import Path
 
-MODULES = {"traces": "test_traces_hostile", "probe": "test_probe_frames"}
+MODULES = {"traces": "test_traces_hostile", "probe": "test_probe_frames",
+           "binding": "test_router_binding"}
 """Test modules (in ``tests/``) whose ``test_property_*`` functions this runs."""
 
 

@@ -21,7 +21,7 @@ from kvtune.vllm_pd import (BIDIRECTIONAL_KV_XFER, KV_CONNECTOR, KV_CONNECTOR_EX
 EXPECTED_FILES = [
     "prefill.kv-transfer-config.json", "decode.kv-transfer-config.json",
     "prefill.vllm-serve.args", "decode.vllm-serve.args", "router.yaml", "recommendation.json",
-    "REPORT.md",
+    "REPORT.md", ".kvtune-export",
 ]
 GEOMETRY = KvGeometry(layers=64, kv_heads=8, head_dim=128, dtype_bytes=2, tp_size=2)
 
@@ -162,6 +162,15 @@ def test_bad_model_name_is_refused_before_writing(tmp_path):
     with pytest.raises(ConfigError, match="model"):
         write(_tuning(), tmp_path / "out", model="my model")
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("name", ["m\x00x", "m\x1b[31m", "m\u202ex", "m\u200bx", "m\x7f"])
+def test_model_name_with_a_control_character_is_refused(name, tmp_path):
+    """Before: a NUL (or an escape sequence, or a bidirectional override) in the model name was
+    written raw into the serve-args file."""
+    with pytest.raises(ConfigError, match="field 'model'.*control characters"):
+        write(_tuning(), tmp_path / "out", model=name)
+    assert not (tmp_path / "out").exists() and os.listdir(tmp_path) == []
 
 
 def test_unknown_mode_is_refused(tmp_path):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 
 import pytest
 from test_export import EXPECTED_FILES, _tuning
@@ -26,6 +27,23 @@ def test_force_refuses_a_directory_that_is_not_an_export(tmp_path):
         write(_tuning(), home, model="m", overwrite=True)
     assert sorted(os.listdir(home)) == ["recommendation.json", "thesis.tex"]
     assert sorted(os.listdir(tmp_path)) == ["home"]  # no temporary directory left behind
+
+
+def test_force_refuses_a_directory_holding_a_copied_recommendation(tmp_path):
+    """Before: a directory that merely held a copy of a real export's recommendation.json (the
+    user's notes beside it) was replaced whole with --force."""
+    prev = write(_tuning(threshold=300), tmp_path / "prev", model="m")
+    notes = tmp_path / "notes"
+    notes.mkdir()
+    shutil.copy(prev / "recommendation.json", notes / "recommendation.json")
+    (notes / "analysis.md").write_text("keep me")
+    with pytest.raises(ConfigError, match=r"no \.kvtune-export marker.*even with --force"):
+        write(_tuning(threshold=301), notes, model="m", overwrite=True)
+    assert sorted(os.listdir(notes)) == ["analysis.md", "recommendation.json"]
+    (notes / ".kvtune-export").symlink_to(prev / ".kvtune-export")  # a linked marker: no either
+    with pytest.raises(ConfigError, match="not a previous export"):
+        write(_tuning(threshold=301), notes, model="m", overwrite=True)
+    assert (notes / "analysis.md").read_text() == "keep me"
 
 
 def test_force_refuses_files_and_links(tmp_path):

@@ -52,17 +52,18 @@ steps = st.lists(st.tuples(st.sampled_from([0, 1]),
                  min_size=1, max_size=6)
 
 
-def test_property_no_request_is_offered_another_historys_blocks(tmp_path):
+def test_property_no_request_is_offered_another_historys_blocks():
     """Two parties name the same conversation id, each with its own history (they differ from
     the first word), interleaving turns that continue, trim, edit or restart their history, in
     JSON or SSE, completions or chat. Every block set offered to a prefill was produced by the
     same party, by a turn whose prompt and answer are exactly the start of the offered prompt;
-    and a plain continuation is offered its blocks (the property is not vacuous)."""
+    a turn that continues the held history is offered exactly its blocks, even after another
+    party's (refused) turns in between (no denial of reuse); and a plain continuation is offered
+    its blocks (the property is not vacuous)."""
     offered_total = itertools.count()
     conv_ids = itertools.count()
     with StandInVllmCluster(1, 1, bidirectional=True, sse_format="0.33") as cluster, \
-            RouterInThread(cluster.router_config("bidirectional",
-                                                 state=f"sqlite:{tmp_path}/s.db")) as router:
+            RouterInThread(cluster.router_config("bidirectional", state=":memory:")) as router:
 
         @PROPERTY
         @given(chat=st.booleans(), steps=steps)
@@ -72,6 +73,7 @@ def test_property_no_request_is_offered_another_historys_blocks(tmp_path):
             # Each party's history: a prompt string, or a list of chat messages.
             histories: list = [[] if chat else f"party{p}" for p in (0, 1)]
             produced: dict[tuple, tuple[int, object]] = {}  # blocks -> (party, history after)
+            stored: tuple | None = None  # the blocks the router holds for the id, by the model
             for party, action, new, stream in steps:
                 history = histories[party]
                 if action == "trim" and chat:
@@ -103,9 +105,17 @@ def test_property_no_request_is_offered_another_historys_blocks(tmp_path):
                         assert prompt[:len(held)] == held
                     else:
                         assert prompt.startswith(held)
+                # The owner's continuation is offered its blocks, whatever turns came between
+                # (a refused turn leaves them stored); any other prompt is offered nothing.
+                held = produced[stored][1] if stored is not None else None
+                continues = held is not None and (prompt[:len(held)] == held if chat
+                                                  else prompt.startswith(held))
+                assert offered == (stored if continues else None), (offered, stored, continues)
                 text = answer.text()
                 after = [*prompt, {"role": "assistant", "content": text}] if chat else prompt + text
                 produced[_returned(cluster, rid)] = (party, after)
+                if stored is None or continues:
+                    stored = _returned(cluster, rid)
                 histories[party] = after
 
         run()
@@ -129,21 +139,23 @@ def test_another_clients_turn_and_an_edited_history_get_no_blocks(stream, tmp_pa
             assert a.status == 200, a.body
             return a.headers[UPSTREAM_REQUEST_ID_HEADER], prompt + a.text()
 
-        _, history = turn("secret plan")
+        first, history = turn("secret plan")
         attacker, _ = turn("tell me everything")
-        # The attacker's turn took the victim's params and stored its own (for its own history):
-        # the victim's continuation is not offered them either, and recomputes.
-        crossed, history = turn(history + " next")
+        # Before: the attacker's turn consumed the victim's params and stored its own, so the
+        # victim's continuation recomputed (denial of reuse). Now they are left for the victim.
+        after_attacker, history = turn(history + " next")
         own, _ = turn(history + " and then")  # a plain continuation: offered
         edited, _ = turn(history.replace("secret", "public") + " more")
         health = get(router.url + "/health").json()
         assert _offered(cluster, attacker) is None
-        assert _offered(cluster, crossed) is None
-        assert _offered(cluster, own) is not None
+        assert _offered(cluster, after_attacker) == _returned(cluster, first)
+        assert _offered(cluster, own) == _returned(cluster, after_attacker)
         assert _offered(cluster, edited) is None
-    assert health["reuse_refused_total"][spans.ReuseRefusal.HISTORY_DIFFERS.value] == 3
+    assert health["reuse_refused_total"][spans.ReuseRefusal.HISTORY_DIFFERS.value] == 2
     reasons = [e.attributes[spans.REUSE_REFUSED_REASON] for e in _refusals(exporter)]
-    assert reasons == [spans.ReuseRefusal.HISTORY_DIFFERS.value] * 3
+    assert reasons == [spans.ReuseRefusal.HISTORY_DIFFERS.value] * 2
+    assert all("left stored" in e.attributes[spans.REUSE_REFUSED_DETAIL]
+               for e in _refusals(exporter))
     assert all(e.attributes[spans.REUSE_REMOTE_TOKENS] > 0 for e in _refusals(exporter))
 
 

@@ -189,7 +189,8 @@ def test_connections_over_the_cap_get_503(tmp_path):
     cap = 4
     with StandInVllmCluster(1, 1) as cluster, \
             RouterInThread(cluster.router_config("pull", state=f"sqlite:{tmp_path}/s.db",
-                                                 max_connections=cap)) as router:
+                                                 max_connections=cap,
+                                                 max_connections_per_client=cap)) as router:
         port = int(router.url.rsplit(":", 1)[1])
         idle = [socket.create_connection(("127.0.0.1", port), timeout=5) for _ in range(cap)]
         try:

@@ -90,6 +90,52 @@ def test_turns_count_and_params_are_handed_out_once(make_store):
     assert store.begin_turn("c2").turn == 1
 
 
+def test_params_refused_by_accept_stay_stored_for_the_turn_that_takes_them(make_store):
+    """Issue 29: a turn that is refused the stored params (not its history) must leave them for
+    the turn whose history they encode, not consume them."""
+    store = make_store()
+    store.begin_turn("c")
+    store.store_params("c", PARAMS, "http://d0")
+    seen = []
+
+    def refuse(params):
+        seen.append(params)
+        return False
+
+    left = store.begin_turn("c", refuse)
+    assert seen == [PARAMS] and left.kept and left.kv_transfer_params is None and left.turn == 2
+    taken = store.begin_turn("c", lambda params: True)
+    assert not taken.kept and taken.kv_transfer_params == PARAMS and taken.turn == 3
+    assert taken.decode_instance == "http://d0"
+    again = store.begin_turn("c", lambda params: True)  # handed out once, accept or not
+    assert again.kv_transfer_params is None and not again.kept
+    make_store.clock.now += 100.0
+    store.store_params("c", PARAMS, "http://d0")
+    make_store.clock.now += 10.0
+    expired = store.begin_turn("c", lambda params: pytest.fail("expired params are not offered"))
+    assert expired.expired and expired.kv_transfer_params is None
+
+
+def test_redis_claim_lost_to_a_newer_entry_hands_out_nothing(redis_url):
+    """Between the read and the compare-and-delete another turn stores new params: this turn
+    gets none (it recomputes) and the newer entry stays."""
+    store = RedisConversationStore(redis_url, params_ttl_s=10.0, prefix=f"r{time.monotonic_ns()}:")
+    try:
+        store.begin_turn("c")
+        store.store_params("c", PARAMS, "http://d0")
+        newer = {**PARAMS, REMOTE_BLOCK_IDS: [[7]]}
+
+        def racing(params):
+            store.store_params("c", newer, "http://d1")
+            return True
+
+        lost = store.begin_turn("c", racing)
+        assert lost.kv_transfer_params is None and not lost.kept
+        assert store.begin_turn("c").kv_transfer_params == newer
+    finally:
+        store.close()
+
+
 def test_params_expire_before_the_decode_ttl(make_store):
     store = make_store(ttl_s=10.0)
     store.begin_turn("c")

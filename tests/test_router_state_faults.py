@@ -56,9 +56,12 @@ class Outcome:
         """Index of the first command of the recovery round."""
 
 
-def _scenario(url: str, prefix: str, timeout_s: float, proxy: RedisFaultProxy) -> Outcome:
+def _scenario(url: str, prefix: str, timeout_s: float, proxy: RedisFaultProxy,
+              accepting: bool = False) -> Outcome:
     """Rounds of begin_turn + store_params over three conversations (and a clear_params), then a
-    clean round that must work; counts crossed and re-used params."""
+    clean round that must work; counts crossed and re-used params. ``accepting``: every
+    begin_turn passes an ``accept`` (the router's path: read, then claim by compare-and-delete)."""
+    accept = (lambda params: True) if accepting else None
     out = Outcome()
     counter = itertools.count(1)
     store = None
@@ -75,7 +78,7 @@ def _scenario(url: str, prefix: str, timeout_s: float, proxy: RedisFaultProxy) -
         for r in range(ROUNDS):
             for conv in CONVS:
                 try:
-                    start = store.begin_turn(conv)
+                    start = store.begin_turn(conv, accept)
                 except StateStoreError:
                     out.errors += 1
                 else:
@@ -101,10 +104,10 @@ def _scenario(url: str, prefix: str, timeout_s: float, proxy: RedisFaultProxy) -
         # Recovery: with the fault spent, every call works and returns exactly what was stored.
         out.recovery_from = len(proxy.commands)
         for conv in CONVS:
-            store.begin_turn(conv)
+            store.begin_turn(conv, accept)
             p = _params(conv, next(counter))
             store.store_params(conv, p, "http://d0")
-            assert store.begin_turn(conv).kv_transfer_params == p
+            assert store.begin_turn(conv, accept).kv_transfer_params == p
     finally:
         store.close()
     return out
@@ -151,6 +154,37 @@ def test_fault_at_every_position_of_every_pipeline_never_crosses_conversations(p
     assert fired >= n_commands * (len(FAULT_KINDS) - 1)
     assert all(t.errors > 0 for t in totals.values()), summary
     assert all(t.served_with_params > 0 for t in totals.values()), summary
+
+
+ACCEPTING_PIPELINE = ("MULTI", "INCR", "PEXPIRE", "GET", "EXEC")
+
+
+def test_faults_in_the_accepting_begin_turn_never_cross_or_reuse(proxy):
+    """The router's path (issue 29: refused params stay stored): begin_turn reads in MULTI/EXEC
+    and claims accepted params with a compare-and-delete EVAL. A fault at every position of
+    either: never another conversation's params, never params handed out twice."""
+    url = proxy.url + "/1"
+    proxy.reset()
+    clean = _scenario(url, "accepting-clean:", 5.0, proxy, accepting=True)
+    assert (clean.crossed, clean.reused, clean.errors) == (0, 0, 0)
+    n_commands = clean.recovery_from
+    seen = list(proxy.commands)[:n_commands]
+    begin = [i for i in range(len(seen)) if tuple(seen[i:i + 5]) == ACCEPTING_PIPELINE]
+    assert len(begin) == ROUNDS * len(CONVS)
+    assert seen.count("EVAL") == clean.served_with_params > 0
+    totals = Outcome()
+    for kind in FAULT_KINDS:
+        for at in range(n_commands):
+            if kind == "stall" and seen[at] != "EVAL" and at not in range(begin[0], begin[0] + 5):
+                continue  # stalls cost a timeout each: one read pipeline and every claim
+            proxy.reset()
+            proxy.arm(kind, at)
+            outcome = _scenario(url, f"accepting-{kind}-{at}:",
+                                STALL_TIMEOUT_S if kind == "stall" else 5.0, proxy, accepting=True)
+            totals.crossed += outcome.crossed
+            totals.reused += outcome.reused
+            totals.errors += outcome.errors
+    assert (totals.crossed, totals.reused) == (0, 0) and totals.errors > 0
 
 
 def test_oom_during_begin_turn_leaves_no_stale_replies(redis_port):

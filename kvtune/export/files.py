@@ -12,7 +12,8 @@ directory appears complete or not at all):
 - ``router.yaml``: the kvtune router's configuration (``kvtune.router.config`` keys);
 - ``recommendation.json``: values, ranges, evidence, findings, fit quality, provenance (the
   vLLM and NIXL releases the trace was measured on, from its resources);
-- ``REPORT.md``: a short human summary.
+- ``REPORT.md``: a short human summary;
+- ``.kvtune-export``: the marker saying kvtune wrote this directory (``--force`` replaces only such).
 """
 from __future__ import annotations
 
@@ -31,15 +32,20 @@ from kvtune import __version__
 from kvtune import spans as sc
 from kvtune import vllm_pd
 from kvtune.errors import ConfigError
-from kvtune.export.model import PLACEHOLDER, ModelName
+from kvtune.export.model import PLACEHOLDER, ModelName, name_problem
 from kvtune.recommend.evidence import JsonEvidence, ModeEvidence, ThresholdEvidence, TtlEvidence
 from kvtune.recommend.results import NEVER, Tuning
 from kvtune.vllm_pd import router_margin_s
 
+EXPORT_MARKER = ".kvtune-export"
+"""The file :func:`write` puts in every export it makes: ``--force`` replaces only a directory
+holding it (a copied ``recommendation.json`` alone does not make a directory an export)."""
+MARKER_CONTENT = {"written_by": "kvtune export"}
+"""What :data:`EXPORT_MARKER` holds (JSON, with the kvtune version added)."""
 FILES: tuple[str, ...] = (
     "prefill.kv-transfer-config.json", "decode.kv-transfer-config.json",
     "prefill.vllm-serve.args", "decode.vllm-serve.args", "router.yaml", "recommendation.json",
-    "REPORT.md",
+    "REPORT.md", EXPORT_MARKER,
 )
 """Every file :func:`write` makes, in the order it makes them."""
 
@@ -90,8 +96,9 @@ def kv_transfer_configs(tuning: Tuning, *, connector: str = "kvtune",
 def serve_args(model: str, kv_config: dict[str, Any], *, port: int, geometry: Any = None,
                extra_args: tuple[str, ...] = ()) -> list[str]:
     """``vllm serve`` arguments (one token each; the JSON is compact, without spaces)."""
-    if not model or any(c.isspace() for c in model):
-        raise ConfigError(f"export: model: expected a model name or path without spaces, got {model!r}")
+    problem = name_problem(model)
+    if problem is not None:
+        raise ConfigError(f"export: field 'model': expected a model name or path {problem}")
     args = [model, "--port", str(int(port)),
             "--kv-transfer-config", json.dumps(kv_config, separators=(",", ":"), sort_keys=True)]
     if geometry is not None:
@@ -212,13 +219,11 @@ def _write_text(d: Path, name: str, text: str) -> None:
         os.fsync(f.fileno())
 
 
-EXPORT_MARKER = "recommendation.json"
-"""The file that marks a directory as a previous export (``--force`` replaces only those)."""
-
-
 def _check_replaceable(out: Path, overwrite: bool) -> None:
-    """Refuses to replace anything but a previous export's directory, and that only with
-    ``overwrite``: ``--force`` pointed at a home or source directory by mistake deletes nothing."""
+    """Refuses to replace anything but a directory kvtune's export wrote (it holds
+    :data:`EXPORT_MARKER`), and that only with ``overwrite``: ``--force`` pointed at a home or
+    source directory, or at one that merely holds a copied ``recommendation.json``, deletes
+    nothing."""
     if not (out.exists() or out.is_symlink()):
         return
     if not overwrite:
@@ -228,13 +233,17 @@ def _check_replaceable(out: Path, overwrite: bool) -> None:
                           f"refusing to replace it even with --force: choose another output")
     marker = out / EXPORT_MARKER
     try:
-        rec = json.loads(marker.read_text(encoding="utf-8"))
+        found = (None if marker.is_symlink() or not marker.is_file()
+                 else json.loads(marker.read_text(encoding="utf-8")))
     except (OSError, ValueError, RecursionError):
-        rec = None
-    if not (isinstance(rec, dict) and "kvtune_version" in rec):
-        raise ConfigError(f"export: {out} exists and holds no kvtune {EXPORT_MARKER}, so it is not "
-                          f"a previous export; refusing to replace it even with --force: choose "
-                          f"another output directory or empty it yourself")
+        found = None
+    if not (isinstance(found, dict)
+            and all(found.get(k) == v for k, v in MARKER_CONTENT.items())):
+        raise ConfigError(f"export: {out} exists and holds no {EXPORT_MARKER} marker written by "
+                          f"kvtune export, so it is not a previous export (a copied "
+                          f"recommendation.json does not make it one); refusing to replace it "
+                          f"even with --force: choose another output directory or empty it "
+                          f"yourself")
 
 
 def _swap(new: Path, out: Path, between: Callable[[Path], None] | None) -> None:
@@ -320,6 +329,8 @@ def write(tuning: Tuning, out_dir: str | os.PathLike[str], *, geometry: Any = No
         _write_text(tmp, FILES[5], json.dumps(rec, indent=2, allow_nan=False) + "\n")
         _write_text(tmp, FILES[6], _report(tuning, model, {"prefill_args": FILES[2],
                                                            "decode_args": FILES[3]}))
+        _write_text(tmp, EXPORT_MARKER, json.dumps({**MARKER_CONTENT,
+                                                    "kvtune_version": __version__}) + "\n")
         os.chmod(tmp, 0o755)
         if _before_commit is not None:
             _before_commit(tmp)

@@ -7,6 +7,7 @@ is known, the placeholder ``MODEL`` — and then every file that carries it says
 from __future__ import annotations
 
 import os
+import unicodedata
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,9 +30,30 @@ class ModelName:
         return self.name != PLACEHOLDER
 
 
+_CONTROL_CATEGORIES = frozenset({"Cc", "Cf", "Cs"})
+"""Unicode categories refused in a model name: control characters (NUL, ESC, newlines ...),
+format characters (zero-width, bidirectional overrides that make a name read as another) and
+lone surrogates."""
+
+
+def name_problem(name: object) -> str | None:
+    """Why ``name`` cannot be written as ``vllm serve``'s model argument (one line of the args
+    file), or None: it must be a non-empty string without whitespace or control characters."""
+    if not isinstance(name, str) or not name:
+        return f"(a non-empty string), got {name!r:.80}"
+    for i, c in enumerate(name):
+        if c.isspace():
+            return f"without whitespace, got {name!r:.120} (whitespace at character {i})"
+        if unicodedata.category(c) in _CONTROL_CATEGORIES:
+            return (f"without control characters, got {name!r:.120} (U+{ord(c):04X}, "
+                    f"{unicodedata.name(c, unicodedata.category(c))}, at character {i})")
+    return None
+
+
 def servable(name: str) -> bool:
-    """A name ``vllm serve`` takes as one argument (non-empty, no whitespace)."""
-    return bool(name) and not any(c.isspace() for c in name)
+    """A name ``vllm serve`` takes as one argument (non-empty, no whitespace, no control
+    characters: :func:`name_problem`)."""
+    return name_problem(name) is None
 
 
 def names_in_spans(spans: Any) -> dict[str, int]:

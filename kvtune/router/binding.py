@@ -16,9 +16,13 @@ exactly that history (:func:`offer`):
   Messages compare as canonical JSON with empty values (None, "", [], {}) left out.
 
 A turn whose history cannot be bound (several choices, ``echo``, streamed tool calls, an answer
-too long to hold) keeps no params for the next turn. With a tenant key (:func:`store_key`) the
-store is keyed by tenant and conversation id together, so one tenant cannot name another's
-conversation.
+too long to hold) keeps no params for the next turn. A turn refused the stored params because its
+prompt does not begin with their history leaves them stored and stores none of its own
+(:class:`Claim`): an interloper's turn cannot deny the owner's next turn its blocks. The price:
+a conversation whose own history was edited gets no reuse until the held params expire.
+
+With a tenant key (:func:`store_key`) the store is keyed by tenant and conversation id together,
+so one tenant cannot name another's conversation.
 """
 from __future__ import annotations
 
@@ -259,6 +263,26 @@ def offer(stored: Mapping[str, Any], body: Mapping[str, Any], chat: bool) -> Off
                      f"{'characters' if history.kind == HistoryKind.TEXT else history.kind.value} "
                      f"the held KV encodes")
     return Offer({k: v for k, v in stored.items() if k not in vllm_pd.ROUTER_ONLY_KEYS})
+
+
+class Claim:
+    """A turn's ``accept`` for :meth:`kvtune.router.state.ConversationStore.begin_turn`: decides
+    on the stored params with :func:`offer` and keeps the answer (``offer``, and ``tokens``: the
+    history tokens the stored params hold). Params bound to another history are left stored
+    (False): a turn that does not continue the held history (another client naming the id, or an
+    edited history) is served without reuse and cannot make the rightful owner's next turn
+    recompute. Params it cannot judge (``UNBOUND``) are taken and dropped, so the turn may store
+    its own."""
+
+    def __init__(self, body: Mapping[str, Any], chat: bool) -> None:
+        self._body, self._chat = body, chat
+        self.offer: Offer | None = None
+        self.tokens: int | None = None
+
+    def __call__(self, stored: Mapping[str, Any]) -> bool:
+        self.offer = offer(stored, self._body, self._chat)
+        self.tokens = vllm_pd.offered_tokens(stored)
+        return self.offer.refusal != spans.ReuseRefusal.HISTORY_DIFFERS
 
 
 def store_key(conversation_id: str, tenant: str | None) -> str:

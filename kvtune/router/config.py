@@ -12,12 +12,17 @@ Configuration file keys (YAML or JSON; ``kvtune.export`` writes ``router.yaml`` 
     state_retention_s: 86400     # how long a conversation's turn counter is kept after its last turn
     max_body_bytes: 8388608      # larger request bodies are refused with 413
     max_connections: 1024        # client connections open at once; more get 503 and are closed
+    max_connections_per_client: 256  # connections one client address may hold (default: a quarter
+                                 #   of max_connections); more get 429. Behind a proxy every
+                                 #   client is the proxy's address: set it to max_connections
     header_timeout_s: 30         # a client must send a request's headers within this time (from
                                  #   connecting or from the previous answer), else it is closed
     connect_timeout_s: 10        # per upstream connection attempt
     prefill_timeout_s: 600       # whole prefill leg
     decode_timeout_s: 600        # whole non-streaming decode leg
     stream_idle_timeout_s: 300   # longest silence between two chunks of a streaming decode
+    stream_deadline_s: 3600      # longest a streaming decode may run in all (a trickling upstream
+                                 #   is cut off here: the client gets an SSE error event)
     tenant_header: X-Tenant      # optional: a request header holding the client's tenant key (e.g.
                                  #   a hash of its API key); conversation ids are scoped by it, and
                                  #   a request naming a conversation without it gets 400
@@ -53,6 +58,12 @@ from kvtune.vllm_pd import DEFAULT_DECODER_KV_BLOCKS_TTL_S, router_margin_s
 
 DEFAULT_DECODER_TTL_S = float(DEFAULT_DECODER_KV_BLOCKS_TTL_S)
 """vLLM's default ``decoder_kv_blocks_ttl`` (NIXL connector, bidirectional mode)."""
+DEFAULT_STREAM_DEADLINE_S = 3600.0
+"""Longest a streamed decode may run in all: 32k tokens at 10 tokens/s take under an hour; an
+upstream trickling a byte now and then (each within ``stream_idle_timeout_s``) is cut off here."""
+DEFAULT_CLIENT_CONNECTION_SHARE = 0.25
+"""Share of ``max_connections`` one client address may hold when ``max_connections_per_client``
+is not set: one client cannot fill the router, four are needed."""
 
 
 @dataclass(frozen=True)
@@ -94,6 +105,11 @@ class RouterConfig:
     prefill_timeout_s: float = 600.0
     decode_timeout_s: float = 600.0
     stream_idle_timeout_s: float = 300.0
+    stream_deadline_s: float = DEFAULT_STREAM_DEADLINE_S
+    """Longest a streamed decode may run in all, seconds (see :data:`DEFAULT_STREAM_DEADLINE_S`)."""
+    max_connections_per_client: int | None = None
+    """Connections one client address may hold; None: :data:`DEFAULT_CLIENT_CONNECTION_SHARE` of
+    ``max_connections`` (:attr:`connections_per_client`)."""
     tenant_header: str | None = None
     """A request header whose value (a tenant key) scopes conversation ids; None: no tenants."""
     telemetry: Mapping[str, Any] = field(default_factory=dict)
@@ -108,6 +124,14 @@ class RouterConfig:
         """How long stored decode params are used: ``decoder_ttl_s - margin_s``."""
         assert self.margin_s is not None  # set in __post_init__
         return self.decoder_ttl_s - self.margin_s
+
+    @property
+    def connections_per_client(self) -> int:
+        """Connections one client address may hold: ``max_connections_per_client``, else
+        :data:`DEFAULT_CLIENT_CONNECTION_SHARE` of ``max_connections`` (at least 1)."""
+        if self.max_connections_per_client is not None:
+            return self.max_connections_per_client
+        return max(1, math.ceil(self.max_connections * DEFAULT_CLIENT_CONNECTION_SHARE))
 
     def to_dict(self) -> dict[str, Any]:
         """The config as plain data, in the file format (round-trips through :func:`config_from_dict`)."""
@@ -151,7 +175,8 @@ def _validate(cfg: RouterConfig, source: str = "router config") -> None:
     if not (0 <= cfg.port <= 65535):
         raise ConfigError(f"{source}: field 'port': expected 0..65535, got {cfg.port}")
     for name in ("decoder_ttl_s", "connect_timeout_s", "prefill_timeout_s", "decode_timeout_s",
-                 "stream_idle_timeout_s", "state_retention_s", "header_timeout_s"):
+                 "stream_idle_timeout_s", "state_retention_s", "header_timeout_s",
+                 "stream_deadline_s"):
         value = getattr(cfg, name)
         if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
             raise ConfigError(f"{source}: field {name!r}: expected a positive number of seconds, "
@@ -164,6 +189,10 @@ def _validate(cfg: RouterConfig, source: str = "router config") -> None:
     if not (isinstance(cfg.max_connections, int) and cfg.max_connections >= 1):
         raise ConfigError(f"{source}: field 'max_connections': expected an integer >= 1, "
                           f"got {cfg.max_connections!r}")
+    per_client = cfg.max_connections_per_client
+    if per_client is not None and not (isinstance(per_client, int) and per_client >= 1):
+        raise ConfigError(f"{source}: field 'max_connections_per_client': expected an integer >= 1 "
+                          f"(or nothing: a quarter of max_connections), got {per_client!r}")
     if cfg.max_body_bytes < 1024:
         raise ConfigError(f"{source}: field 'max_body_bytes': expected >= 1024, "
                           f"got {cfg.max_body_bytes!r}")
@@ -228,8 +257,8 @@ def config_from_dict(data: Mapping[str, Any], *, source: str = "router config") 
             kwargs[name] = str(data[name])
     if data.get("tenant_header") is not None:
         kwargs["tenant_header"] = str(data["tenant_header"])
-    for name in ("port", "max_body_bytes", "max_connections"):
-        if name in data:
+    for name in ("port", "max_body_bytes", "max_connections", "max_connections_per_client"):
+        if name in data and not (name == "max_connections_per_client" and data[name] is None):
             try:
                 kwargs[name] = int(data[name])
             except (TypeError, ValueError):
@@ -237,7 +266,7 @@ def config_from_dict(data: Mapping[str, Any], *, source: str = "router config") 
                                   f"got {data[name]!r}") from None
     for name in ("decoder_ttl_s", "margin_s", "state_retention_s", "connect_timeout_s",
                  "prefill_timeout_s", "decode_timeout_s", "stream_idle_timeout_s",
-                 "header_timeout_s"):
+                 "header_timeout_s", "stream_deadline_s"):
         if name in data:
             try:
                 kwargs[name] = float(data[name])

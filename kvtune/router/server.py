@@ -18,7 +18,9 @@ upstream), the W3C ``traceparent`` header, and the same traceparent inside
   side channel, TP/PP sizes) and the shared request id.
 - **bidirectional**: pull, plus the ``kv_transfer_params`` the decode returns at the end of each turn
   are stored per conversation and sent as the next turn's prefill ``kv_transfer_params`` (the prefill
-  then pulls the conversation's history back from the decode). Params are handed out once (even
+  then pulls the conversation's history back from the decode), only to a turn whose prompt begins
+  with the history they encode (:mod:`kvtune.router.binding`; a refused turn leaves them stored
+  and stores none of its own). Params are handed out once (even
   when that turn then fails: its prefill may have read the blocks) and expire
   ``decoder_ttl_s - margin_s`` after they were stored. A streamed turn's params come from the SSE
   event that carries ``kv_transfer_params`` (vLLM 0.33 puts them in the stream's last chunk; the
@@ -33,12 +35,17 @@ The parameters of each leg are built by :mod:`kvtune.vllm_pd` (the protocol's on
 The conversation id comes from the body field ``conversation_id`` (removed before forwarding) or
 the header ``spans.CONVERSATION_HEADER``. Bad input (not JSON, too deep, a conversation id that is
 too long or not text, a header value that is not UTF-8) gets a 400 JSON error naming the field:
-:mod:`kvtune.router.parsing`. Connections: at most ``max_connections`` at once (more get 503), and a
-client must send a request's headers within ``header_timeout_s``.
+:mod:`kvtune.router.parsing`. Connections: at most ``max_connections`` at once (more get 503), at
+most ``max_connections_per_client`` of them from one client address (more get 429), and a client
+must send a request's headers within ``header_timeout_s``.
 
 Failures: an upstream that cannot be reached, times out or answers 5xx gives the client a 502 JSON
 error naming the leg and instance (headers ``X-Kvtune-Failed-Leg`` / ``X-Kvtune-Failed-Instance``);
 an upstream 4xx is passed through with the same headers. A body over ``max_body_bytes`` gets 413.
+A streamed decode that falls silent for ``stream_idle_timeout_s``, breaks, or is not complete
+within ``stream_deadline_s`` (a trickling upstream) ends with an SSE ``error`` event, its upstream
+connection closed (``error.type`` :data:`STREAM_DEADLINE_ERROR` for the deadline, counted in
+``/health`` ``stream_deadlines_total``).
 
 Tracing: one ``kv.request`` span per proxied request, always a trace root (a client's own
 ``traceparent`` becomes a span link), with the mode, request id (= base request id: both legs get it
@@ -109,6 +116,8 @@ MAX_UPSTREAM_BODY_BYTES = 64 * 1024 * 1024
 completion in MiB at most; a gzip bomb (1 MB inflating to 1 GiB) is cut off here (issue 29)."""
 MAX_UPSTREAM_ERROR_BYTES = 1024 * 1024
 """Bytes of an upstream's error answer kept (passed through to the client, quoted in logs)."""
+STREAM_DEADLINE_ERROR = "StreamDeadlineExceeded"
+"""``error.type`` of a streamed request cut off at the router's ``stream_deadline_s``."""
 _FORWARDED_HEADERS = ("Authorization",)
 _ERROR_BODY_LIMIT = 2000
 
@@ -182,6 +191,9 @@ class _Call:
     """Span events to add to ``kv.request`` (name, attributes)."""
     stream_sent: tuple[float, dict[str, Any] | None] | None = None
     """When the streamed decode leg was sent, and its ``kv_transfer_params``."""
+    keeps_stored: bool = False
+    """The stored params were refused to this turn and left stored for the history they encode:
+    this turn must not replace them with its own."""
 
     def first_token(self) -> None:
         if self.ttft_ms is None:
@@ -322,21 +334,31 @@ def _usage(body: Mapping[str, Any], key: str) -> int | None:
     return None
 
 
-class _Busy(asyncio.Protocol):
-    """A connection over ``max_connections``: answered 503 (JSON) and closed at once."""
+def _refusal(status: str, message: str, kind: str) -> bytes:
+    """A whole HTTP answer refusing a connection: a JSON error body, ``Connection: close``."""
+    body = json.dumps({"error": {"message": message, "type": kind,
+                                 "code": int(status.split()[0])}}).encode()
+    return (b"HTTP/1.1 %s\r\nContent-Type: application/json\r\nContent-Length: %d\r\n"
+            b"Connection: close\r\n\r\n%s" % (status.encode(), len(body), body))
 
-    BODY = json.dumps({"error": {"message": "the router has max_connections client connections "
-                                 "open; try again", "type": "server_busy", "code": 503}}).encode()
+
+class _Busy(asyncio.Protocol):
+    """A refused connection: answered at once (by default 503, the router has
+    ``max_connections`` open) and closed."""
+
+    BODY = _refusal("503 Service Unavailable", "the router has max_connections client "
+                    "connections open; try again", "server_busy")
 
     LINGER_S = 1.0
     """How long the refused connection stays open to read (and drop) the client's request, so
-    that closing it does not reset the connection before the client reads the 503."""
+    that closing it does not reset the connection before the client reads the answer."""
+
+    def __init__(self, answer: bytes | None = None) -> None:
+        self._answer = self.BODY if answer is None else answer
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.Transport)
-        transport.write(b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
-                        b"Content-Length: %d\r\nConnection: close\r\n\r\n%s"
-                        % (len(self.BODY), self.BODY))
+        transport.write(self._answer)
         asyncio.get_running_loop().call_later(self.LINGER_S, transport.close)
 
     def data_received(self, data: bytes) -> None:
@@ -347,12 +369,16 @@ class _Busy(asyncio.Protocol):
 
 
 class _HeaderDeadline(asyncio.Protocol):
-    """One client connection: aiohttp's handler, plus a deadline for the first request's headers
-    (a client trickling header bytes would hold the connection forever; later requests on a
-    keep-alive connection are bounded by aiohttp's ``keepalive_timeout``, set to the same value)."""
+    """One client connection: refused with 429 when its client address already holds its share
+    (:class:`_ConnectionGuard`), else aiohttp's handler plus a deadline for the first request's
+    headers (a client trickling header bytes would hold the connection forever; later requests on
+    a keep-alive connection are bounded by aiohttp's ``keepalive_timeout``, set to the same
+    value)."""
 
-    def __init__(self, guard: _ConnectionGuard, inner: asyncio.Protocol) -> None:
-        self._guard, self._inner = guard, inner
+    def __init__(self, guard: _ConnectionGuard) -> None:
+        self._guard = guard
+        self._inner = asyncio.Protocol()  # replaced in connection_made
+        self._client: str | None = None
         self._transport: asyncio.Transport | None = None
         self._timer: asyncio.TimerHandle | None = None
         self._tail = b""
@@ -360,6 +386,13 @@ class _HeaderDeadline(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.Transport)
         self._transport = transport
+        client = self._guard.admit(transport.get_extra_info("peername"))
+        if client is None:
+            self._inner = _Busy(self._guard.client_refusal)
+            self._inner.connection_made(transport)
+            return
+        self._client = client
+        self._inner = self._guard.handler()
         self._timer = asyncio.get_running_loop().call_later(self._guard.header_timeout_s,
                                                             self._expire)
         self._inner.connection_made(transport)
@@ -389,7 +422,7 @@ class _HeaderDeadline(asyncio.Protocol):
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
-        self._guard.open -= 1
+        self._guard.closed(self._client)
         self._inner.connection_lost(exc)
 
     def _expire(self) -> None:
@@ -401,21 +434,49 @@ class _HeaderDeadline(asyncio.Protocol):
 
 class _ConnectionGuard:
     """The listening socket's protocol factory: at most ``max_connections`` open connections
-    (more are answered 503 and closed), each with a header deadline (:class:`_HeaderDeadline`)."""
+    (more are answered 503 and closed), at most ``per_client`` of them from one client address
+    (more are answered 429 and closed: one client cannot fill the router), each with a header
+    deadline (:class:`_HeaderDeadline`)."""
 
-    def __init__(self, server: Any, max_connections: int, header_timeout_s: float) -> None:
-        self._server = server  # aiohttp's web.Server: a protocol factory
-        self.max_connections, self.header_timeout_s = max_connections, header_timeout_s
+    def __init__(self, server: Any, max_connections: int, per_client: int,
+                 header_timeout_s: float) -> None:
+        self.handler = server  # aiohttp's web.Server: a protocol factory
+        self.max_connections, self.per_client = max_connections, per_client
+        self.header_timeout_s = header_timeout_s
         self.open = 0
         self.refused = 0
+        self.refused_per_client = 0
         self.timed_out = 0
+        self._by_client: dict[str, int] = {}
+        self.client_refusal = _refusal(
+            "429 Too Many Requests", f"this client address has max_connections_per_client "
+            f"({per_client}) connections open to the router; close one or try again",
+            "too_many_connections")
 
     def __call__(self) -> asyncio.Protocol:
         if self.open >= self.max_connections:
             self.refused += 1
             return _Busy()
         self.open += 1
-        return _HeaderDeadline(self, self._server())
+        return _HeaderDeadline(self)
+
+    def admit(self, peername: Any) -> str | None:
+        """The client's address when it may open one more connection (counted), else None."""
+        client = str(peername[0]) if isinstance(peername, tuple) and peername else "local"
+        held = self._by_client.get(client, 0)
+        if held >= self.per_client:
+            self.refused_per_client += 1
+            return None
+        self._by_client[client] = held + 1
+        return client
+
+    def closed(self, client: str | None) -> None:
+        """A connection made through :meth:`__call__` ended (``client``: as admitted, or None)."""
+        self.open -= 1
+        if client is not None:
+            left = self._by_client.pop(client) - 1
+            if left:
+                self._by_client[client] = left
 
 
 class Router:
@@ -449,6 +510,7 @@ class Router:
         self._stream_turns = {"with_params": 0, "without_params": 0}
         self._told_no_stream_params: OrderedDict[str, None] = OrderedDict()
         self._state_errors = 0
+        self._stream_deadlines = 0
         self._reuse_refused = {r.value: 0 for r in spans.ReuseRefusal}
 
     # --- lifecycle --------------------------------------------------------------------------------
@@ -483,6 +545,7 @@ class Router:
         await self._runner.setup()
         assert self._runner.server is not None
         self._connections = _ConnectionGuard(self._runner.server, self.config.max_connections,
+                                             self.config.connections_per_client,
                                              self.config.header_timeout_s)
         self._listener = await asyncio.get_running_loop().create_server(
             self._connections, host or self.config.host,
@@ -517,9 +580,12 @@ class Router:
             "decode": [vars(s) for s in self.decode.snapshot()],
             "streamed_bidirectional": streams,
             "state_errors_total": self._state_errors,
+            "stream_deadlines_total": self._stream_deadlines,
             "reuse_refused_total": dict(self._reuse_refused),
             "connections": {"open": self._connections.open if self._connections else 0,
                             "refused_total": self._connections.refused if self._connections else 0,
+                            "refused_per_client_total": (self._connections.refused_per_client
+                                                         if self._connections else 0),
                             "header_timeouts_total": (self._connections.timed_out
                                                       if self._connections else 0)}})
 
@@ -665,9 +731,11 @@ class Router:
     async def _route(self, request: web.Request, body: dict[str, Any],
                      call: _Call) -> web.StreamResponse:
         start: TurnStart | None = None
+        bidirectional = self.config.mode == spans.Mode.BIDIRECTIONAL
+        claim = binding.Claim(body, call.endpoint == CHAT_PATH) if bidirectional else None
         if call.conversation_id is not None:
             try:
-                start = await asyncio.to_thread(self.store.begin_turn, call.store_key)
+                start = await asyncio.to_thread(self.store.begin_turn, call.store_key, claim)
             except Exception as exc:  # a store failure never fails the request
                 self._state_failed(call, "begin_turn", exc)
             else:
@@ -681,10 +749,15 @@ class Router:
             headers[TRACEPARENT_HEADER] = traceparent
         if self.config.mode == spans.Mode.PUSH:
             return await self._push(request, body, call, headers, traceparent)
-        reuse = start.kv_transfer_params if (
-            start is not None and self.config.mode == spans.Mode.BIDIRECTIONAL) else None
-        if reuse:
-            reuse = self._offer(call, body, reuse)
+        reuse = None
+        if start is not None and claim is not None and claim.offer is not None:
+            offer = claim.offer
+            if offer.refusal is not None:
+                call.keeps_stored = start.kept
+                self._refuse_reuse(call, offer.refusal, offer.detail + (
+                    "; left stored for that history" if start.kept else ""), claim.tokens)
+            elif start.kv_transfer_params is not None:  # else another turn claimed them first
+                reuse = offer.params
         return await self._pull(request, body, call, headers, traceparent, reuse)
 
     # --- legs -------------------------------------------------------------------------------------
@@ -839,31 +912,30 @@ class Router:
         out = web.StreamResponse(status=200, headers={
             "Content-Type": upstream.headers.get("Content-Type", "text/event-stream"),
             "Cache-Control": "no-cache", **call.response_headers()})
+        # The whole stream, however steadily it trickles, ends by this deadline (issue 29).
+        deadline = asyncio.timeout_at(asyncio.get_running_loop().time()
+                                      + self.config.stream_deadline_s)
         try:
             await out.prepare(request)
             try:
-                async for chunk in upstream.content.iter_any():
-                    if watcher.feed(chunk):
-                        call.first_token()
-                    if watcher.done and not done_called:
+                async with deadline:
+                    async for chunk in upstream.content.iter_any():
+                        if watcher.feed(chunk):
+                            call.first_token()
+                        if watcher.done and not done_called:
+                            done_called = True
+                            assert on_done is not None
+                            await on_done(watcher)
+                        if watcher.done:
+                            observe(None if watcher.error is None else str(watcher.error)[:500])
+                        await out.write(chunk)
+                    if not done_called:
                         done_called = True
                         assert on_done is not None
                         await on_done(watcher)
-                    if watcher.done:
-                        observe(None if watcher.error is None else str(watcher.error)[:500])
-                    await out.write(chunk)
-                if not done_called:
-                    done_called = True
-                    assert on_done is not None
-                    await on_done(watcher)
             except (asyncio.TimeoutError, aiohttp.ClientError) as exc:
-                reason = (f"stream silent for {self.config.stream_idle_timeout_s:g} s"
-                          if isinstance(exc, asyncio.TimeoutError) else f"{type(exc).__name__}: {exc}")
-                err = UpstreamError("decode", inst.url, f"stream broke: {reason}")
-                call.error_type, call.error_message = type(err).__name__, str(err)
-                event = {"error": {"message": str(err), "type": "upstream_error", "code": 502,
-                                   "leg": "decode", "instance": err.instance}}
-                await out.write(b"data: " + json.dumps(event).encode() + b"\n\n")
+                upstream.close()  # never pooled mid-stream; closing aborts the request in vLLM
+                await out.write(self._stream_failed(call, inst, exc, deadline.expired()))
             await out.write_eof()
         except ConnectionResetError:
             # The client went away: dropping the upstream connection aborts the request in vLLM.
@@ -879,6 +951,25 @@ class Router:
         call.output_tokens = watcher.output_tokens
         observe(call.error_message)
         return out, watcher
+
+    def _stream_failed(self, call: _Call, inst: InstanceConfig, exc: BaseException,
+                       deadline_expired: bool) -> bytes:
+        """A streamed decode that broke, fell silent or ran past ``stream_deadline_s``: recorded
+        on the call and told to the client as a last SSE ``error`` event (the status is sent)."""
+        if deadline_expired:
+            self._stream_deadlines += 1
+            err = UpstreamError("decode", inst.url, "stream not complete within stream_deadline_s "
+                                f"({self.config.stream_deadline_s:g} s): cut off")
+            call.error_type, kind, code = STREAM_DEADLINE_ERROR, "upstream_timeout", 504
+        else:
+            reason = (f"stream silent for {self.config.stream_idle_timeout_s:g} s"
+                      if isinstance(exc, asyncio.TimeoutError) else f"{type(exc).__name__}: {exc}")
+            err = UpstreamError("decode", inst.url, f"stream broke: {reason}")
+            call.error_type, kind, code = type(err).__name__, "upstream_error", 502
+        call.error_message = str(err)
+        event = {"error": {"message": str(err), "type": kind, "code": code, "leg": "decode",
+                           "instance": err.instance}}
+        return b"data: " + json.dumps(event).encode() + b"\n\n"
 
     # --- modes ------------------------------------------------------------------------------------
     async def _pull(self, request: web.Request, body: dict[str, Any], call: _Call,
@@ -938,15 +1029,6 @@ class Router:
                              binding.Reply.from_answer(d_resp))
         return web.json_response(d_resp, headers=call.response_headers())
 
-    def _offer(self, call: _Call, body: Mapping[str, Any],
-               stored: Mapping[str, Any]) -> Mapping[str, Any] | None:
-        """The stored params this turn may be offered: only to a prompt that begins with the
-        history they encode (:mod:`kvtune.router.binding`); otherwise none, counted and told."""
-        offer = binding.offer(stored, body, call.endpoint == CHAT_PATH)
-        if offer.refusal is not None:
-            self._refuse_reuse(call, offer.refusal, offer.detail, vllm_pd.offered_tokens(stored))
-        return offer.params
-
     def _refuse_reuse(self, call: _Call, reason: spans.ReuseRefusal, detail: str,
                       tokens: int | None) -> None:
         self._reuse_refused[reason.value] += 1
@@ -960,7 +1042,8 @@ class Router:
                         reply: binding.Reply) -> None:
         """Bidirectional: store the decode's returned params for the conversation's next turn,
         bound to the history their KV encodes (this turn's prompt and answer)."""
-        if self.config.mode != spans.Mode.BIDIRECTIONAL or call.store_key is None:
+        if self.config.mode != spans.Mode.BIDIRECTIONAL or call.store_key is None \
+                or call.keeps_stored:
             return
         if isinstance(params, dict) and vllm_pd.holds_blocks(params):
             history, why = binding.history_of(body, call.endpoint == CHAT_PATH, reply)

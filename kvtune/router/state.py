@@ -81,14 +81,24 @@ class TurnStart:
     """The decode instance that returned those params."""
     expired: bool
     """True when params had been stored but their time was up (they are not returned)."""
+    kept: bool = False
+    """True when unexpired params were stored but ``accept`` refused them: they are not returned
+    and stay stored (for the turn whose history they encode)."""
+
+
+Accept = Callable[[Mapping[str, Any]], bool]
+"""``begin_turn``'s ``accept``: given the stored params, whether this turn takes them (they are
+then handed out and removed) or leaves them stored for another turn."""
 
 
 @runtime_checkable
 class ConversationStore(Protocol):
     """Where the router keeps each conversation's turn counter and the decode's last params."""
 
-    def begin_turn(self, conversation_id: str) -> TurnStart:
-        """Count a new turn and return the previous turn's unexpired params (atomically)."""
+    def begin_turn(self, conversation_id: str, accept: Accept | None = None) -> TurnStart:
+        """Count a new turn and return the previous turn's unexpired params (atomically), handing
+        them out once; with ``accept``, only when ``accept(params)`` is true (otherwise they stay
+        stored and ``kept`` says so)."""
 
     def store_params(self, conversation_id: str, kv_transfer_params: Mapping[str, Any],
                      decode_instance: str) -> float:
@@ -136,9 +146,10 @@ class SqliteConversationStore:
         except sqlite3.Error as exc:
             raise RouterError(f"state {self.path}: cannot open SQLite conversation store: {exc}") from None
 
-    def begin_turn(self, conversation_id: str) -> TurnStart:
+    def begin_turn(self, conversation_id: str, accept: Accept | None = None) -> TurnStart:
         check_conversation_id(conversation_id)
         now = self._clock()
+        kept = False
         with self._lock, self._errors("begin_turn"):
             self._ops += 1
             if self._ops % 1000 == 1:
@@ -156,19 +167,25 @@ class SqliteConversationStore:
                     expired = row[1] is not None and (row[3] is None or row[3] <= now)
                     params = json.loads(row[1]) if row[1] is not None and not expired else None
                     instance = row[2] if params is not None else None
-                # The params are handed out once: the next turn's prefill consumes the decode's blocks.
-                self._db.execute(
-                    "INSERT INTO conversations (conversation_id, turn, kv_params, decode_instance,"
-                    " params_expires_at, updated_at) VALUES (?, ?, NULL, NULL, NULL, ?)"
-                    " ON CONFLICT(conversation_id) DO UPDATE SET turn = excluded.turn,"
-                    " kv_params = NULL, decode_instance = NULL, params_expires_at = NULL,"
-                    " updated_at = excluded.updated_at",
-                    (conversation_id, turn, now))
+                kept = params is not None and accept is not None and not accept(params)
+                if kept:  # refused: left stored for the turn whose history they encode
+                    params, instance = None, None
+                    self._db.execute("UPDATE conversations SET turn = ?, updated_at = ? "
+                                     "WHERE conversation_id = ?", (turn, now, conversation_id))
+                else:  # handed out once: the next turn's prefill consumes the decode's blocks
+                    self._db.execute(
+                        "INSERT INTO conversations (conversation_id, turn, kv_params,"
+                        " decode_instance, params_expires_at, updated_at)"
+                        " VALUES (?, ?, NULL, NULL, NULL, ?)"
+                        " ON CONFLICT(conversation_id) DO UPDATE SET turn = excluded.turn,"
+                        " kv_params = NULL, decode_instance = NULL, params_expires_at = NULL,"
+                        " updated_at = excluded.updated_at",
+                        (conversation_id, turn, now))
                 self._db.execute("COMMIT")
             except BaseException:
                 self._db.execute("ROLLBACK")
                 raise
-        return TurnStart(conversation_id, turn, params, instance, expired)
+        return TurnStart(conversation_id, turn, params, instance, expired, kept)
 
     def store_params(self, conversation_id: str, kv_transfer_params: Mapping[str, Any],
                      decode_instance: str) -> float:
@@ -440,10 +457,17 @@ class RedisConversationStore:
             raise StateStoreError(f"state {self.url}: {error}")
         return replies
 
-    def begin_turn(self, conversation_id: str) -> TurnStart:
+    def begin_turn(self, conversation_id: str, accept: Accept | None = None) -> TurnStart:
         """One MULTI/EXEC: count the turn, read and delete the params. Should the connection break
         after Redis ran it and the exchange be repeated, the turn counts twice and the params were
-        already deleted, so the turn gets none: history is recomputed, never crossed."""
+        already deleted, so the turn gets none: history is recomputed, never crossed.
+
+        With ``accept``: the MULTI/EXEC reads without deleting, and params ``accept`` takes are
+        then claimed by a compare-and-delete script (:data:`_CLAIM_SCRIPT`): only the turn that
+        deletes exactly the entry it read gets them (a lost race, or a repeated exchange, gets
+        none); refused params stay stored."""
+        if accept is not None:
+            return self._begin_turn_accepting(conversation_id, accept)
         check_conversation_id(conversation_id)
         now = self._clock()
         tk, pk = self._k("turn", conversation_id), self._k("params", conversation_id)
@@ -474,6 +498,38 @@ class RedisConversationStore:
                 params, instance = entry["params"], entry["decode_instance"]
         return TurnStart(conversation_id, turn, params, instance, expired)
 
+    def _begin_turn_accepting(self, conversation_id: str, accept: Accept) -> TurnStart:
+        check_conversation_id(conversation_id)
+        now = self._clock()
+        tk, pk = self._k("turn", conversation_id), self._k("params", conversation_id)
+        commands: list[tuple[str | bytes, ...]] = [
+            ("MULTI",), ("INCR", tk), ("PEXPIRE", tk, str(int(self.retention_s * 1000))),
+            ("GET", pk), ("EXEC",)]
+        result = self._exchange(commands)[-1]
+        if not (isinstance(result, list) and len(result) == 3
+                and all(isinstance(result[i], int) for i in (0, 1))
+                and (result[2] is None or isinstance(result[2], bytes))):
+            with self._lock:
+                self._r.close()
+            raise StateStoreError(f"state {self.url}: begin_turn: EXEC answered {result!r:.200}, "
+                                  "expected [turn, 0|1, params|nil]")
+        turn, _, raw = result
+        if raw is None:
+            return TurnStart(conversation_id, turn, None, None, False)
+        entry = _decode_entry(raw, self.url)
+        if entry.get("conversation_id") != conversation_id:
+            raise StateStoreError(
+                f"state {self.url}: the params stored under conversation {conversation_id!r:.80} "
+                f"name conversation {entry.get('conversation_id')!r:.80}; not used")
+        if entry["expires_at"] <= now:
+            return TurnStart(conversation_id, turn, None, None, True)
+        if not accept(entry["params"]):
+            return TurnStart(conversation_id, turn, None, None, False, kept=True)
+        claimed = self._exchange([("EVAL", _CLAIM_SCRIPT, "1", pk, raw)])[0]
+        if claimed != 1:  # another turn took (or replaced) them first: recompute, never cross
+            return TurnStart(conversation_id, turn, None, None, False)
+        return TurnStart(conversation_id, turn, entry["params"], entry["decode_instance"], False)
+
     def store_params(self, conversation_id: str, kv_transfer_params: Mapping[str, Any],
                      decode_instance: str) -> float:
         check_conversation_id(conversation_id)
@@ -502,6 +558,11 @@ class RedisConversationStore:
     def close(self) -> None:
         with self._lock:
             self._r.close()
+
+
+_CLAIM_SCRIPT = ("if redis.call('GET', KEYS[1]) == ARGV[1] then "
+                 "return redis.call('DEL', KEYS[1]) end return 0")
+"""Deletes a key only while it holds exactly the value read (1: deleted, so claimed; 0: not)."""
 
 
 def _decode_entry(raw: bytes, url: str) -> dict[str, Any]:

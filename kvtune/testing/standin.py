@@ -15,6 +15,10 @@ Streaming speaks either release's format (``sse_kv_params``): vLLM 0.32 sends no
 the stream's last chunk (the one whose choice carries ``finish_reason``; a usage chunk, when asked
 for, follows it). The exact bytes of each stream are kept in ``sent_streams``.
 
+A decode with ``trickle_s`` set streams like an upstream that never ends: after its words it sends
+one more word every ``trickle_s`` seconds (each well within any idle timeout) for up to
+:data:`TRICKLE_MAX_S`; ``streams_aborted`` counts streams whose client went away meanwhile.
+
 Tokens are whitespace-separated words of the prompt (or of the chat messages' contents). A
 completion's text starts with a space (``" w0 w1"``), as vLLM's decoded word tokens do, so a
 conversation's next prompt is ``prompt + text + ...``; a chat message's content does not.
@@ -26,7 +30,7 @@ import itertools
 import json
 import threading
 import time
-from collections.abc import Coroutine, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -45,6 +49,9 @@ OUTPUT_TOKEN_ID_BASE = 1_000_000
 """Token id of the generated word ``w<i>`` (``return_token_ids``): ``OUTPUT_TOKEN_ID_BASE + i``."""
 PUSH_WAIT_S = 60.0
 """How long a push decode stand-in waits for its prefill before failing (a bounded wait)."""
+TRICKLE_MAX_S = 60.0
+"""A trickling decode stand-in (``trickle_s``) ends its stream after this long at most, so a test
+of a router that fails to cut it off still ends (with a complete stream: its check fails)."""
 
 
 @dataclass(frozen=True)
@@ -123,6 +130,8 @@ class StandInVllmServer:
         self.decoder_ttl_s = decoder_ttl_s
         self.fail_status: int | None = None
         self.delay_s = 0.0
+        self.trickle_s: float | None = None
+        self.streams_aborted = 0
         self.received: list[ReceivedRequest] = []
         self.url = ""
         self._runner: web.AppRunner | None = None
@@ -300,6 +309,8 @@ class StandInVllmServer:
             if last and kv_params is not None:
                 event[pd.KV_TRANSFER_PARAMS] = dict(kv_params)
             await send(event)
+        if self.trickle_s is not None:
+            await self._trickle(send, base, chat)
         opts = body.get("stream_options") or {}
         if isinstance(opts, dict) and opts.get("include_usage"):
             await send({**base, "choices": [], "usage": {
@@ -310,6 +321,23 @@ class StandInVllmServer:
         await resp.write_eof()
         self.sent_streams[rid] = bytes(sent)
         return resp
+
+
+    async def _trickle(self, send: Callable[[Mapping[str, Any]], Awaitable[None]],
+                       base: Mapping[str, Any], chat: bool) -> None:
+        """One more word every ``trickle_s`` seconds, for up to :data:`TRICKLE_MAX_S`; a client
+        going away (the handler cancelled, or the write failing) is counted."""
+        assert self.trickle_s is not None
+        end = time.monotonic() + TRICKLE_MAX_S
+        try:
+            while time.monotonic() < end:
+                await asyncio.sleep(self.trickle_s)
+                choice: dict[str, Any] = ({"index": 0, "delta": {"content": " t"}} if chat
+                                          else {"index": 0, "text": " t", "logprobs": None})
+                await send({**base, "choices": [choice]})
+        except (asyncio.CancelledError, ConnectionResetError):
+            self.streams_aborted += 1
+            raise
 
 
 class StandInVllmCluster:
