@@ -8,7 +8,7 @@ import pytest
 
 from kvtune import spans
 from kvtune.router import InstanceConfig, RouterConfig, RouterInThread
-from kvtune.router.client import post
+from kvtune.router.client import get, post
 from kvtune.vllm_pd import KV_TRANSFER_PARAMS, REMOTE_BLOCK_IDS
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
@@ -51,6 +51,16 @@ def test_router_bidirectional_against_real_cpu_pair(tmp_path):
             p1 = prompt_token_sources(pair.prefill_url)
             turn2 = post(url, body(prompt2, "real-conv"), timeout_s=600)
             p2 = prompt_token_sources(pair.prefill_url)
+            # Turn 3 trims the history (as an agent framework stripping a reasoning block does):
+            # the decode's blocks encode turn 2's history, which this prompt does not begin with,
+            # so the router must not offer them; the turn is served by recomputing.
+            out2 = turn2.json()["choices"][0]["token_ids"]
+            prompt3 = PROMPT_1[:40] + PROMPT_1[64:] + list(out2) + [(13 * i + 7) % 1900 + 50
+                                                                    for i in range(24)]
+            turn3 = post(url, body(prompt3, "real-conv"), timeout_s=600)
+            p3 = prompt_token_sources(pair.prefill_url)
+            health = get(router.url + "/health").json()
+        reference3 = pair.complete(prompt3, MAX_TOKENS)  # no conversation: nothing offered
         logs = pair.logs()
     assert turn2.status == 200, turn2.body
     # Same tokens as the pair's own flow (temperature 0, same seed).
@@ -60,3 +70,9 @@ def test_router_bidirectional_against_real_cpu_pair(tmp_path):
     assert (d1 - d0).external_kv_transfer_tokens > 0, logs
     # Turn 2: the prefill pulled the conversation's history back from the decode.
     assert (p2 - p1).external_kv_transfer_tokens > 0, logs
+    # Turn 3 (trimmed history): nothing pulled, the refusal counted, and the answer is the one
+    # computed without reuse (greedy, same seed).
+    assert turn3.status == 200, turn3.body
+    assert (p3 - p2).external_kv_transfer_tokens == 0, logs
+    assert sum(health["reuse_refused_total"].values()) == 1, health
+    assert turn3.json()["choices"][0]["text"] == reference3.text
