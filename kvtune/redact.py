@@ -10,6 +10,7 @@ the URL stay: they say which server, and are not secrets.
 """
 from __future__ import annotations
 
+import functools
 import re
 import urllib.parse
 from typing import Final
@@ -19,14 +20,18 @@ MASK: Final = "***"
 SECRET_QUERY_KEYS: Final = frozenset({"password", "passwd", "pass", "pwd", "secret", "token",
                                       "access_token", "api_key", "apikey", "key", "auth"})
 """Query parameters whose values are hidden (lower-cased names)."""
+REDACTED_URLS_CACHED: Final = 1024
+"""URLs whose redaction is remembered (a router's instances and store; a bound on memory)."""
 
 # scheme://[user]:password@  (the password is anything up to the last '@' before the host part)
 _USERINFO = re.compile(r"(?P<head>\b[A-Za-z][A-Za-z0-9+.\-]*://[^\s/?#@:]*:)(?P<pw>[^\s/?#]*)@")
 _QUERY = re.compile(r"(?P<head>[?&;](?P<key>[A-Za-z_\-]+)=)(?P<value>[^&#\s'\"]*)")
 
 
+@functools.lru_cache(maxsize=REDACTED_URLS_CACHED)
 def redact_url(url: str) -> str:
-    """``url`` with its password (and any secret query value) replaced by :data:`MASK`."""
+    """``url`` with its password (and any secret query value) replaced by :data:`MASK`. Cached:
+    the router shows the same few instance URLs on every request's span."""
     if not isinstance(url, str):
         return url
     try:

@@ -231,15 +231,16 @@ class _SseWatcher:
     and ``kv_transfer_params`` should an event carry them (the last such event wins; vLLM 0.33
     sends them in the stream's last chunk). Lines over :data:`SSE_MAX_LINE_BYTES` are skipped."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, collect_reply: bool = False) -> None:
         self._buf = bytearray()
         self._skipping = False
         self.content_events = 0
         self.usage_completion_tokens: int | None = None
         self.kv_transfer_params: dict[str, Any] | None = None
         self.error: Any = None
-        self.reply = binding.Reply()
-        """The answer's text and token ids (to bind the turn's KV to its history)."""
+        self.reply = binding.Reply() if collect_reply else None
+        """The answer's text and token ids, to bind the turn's KV to its history (None: not
+        collected, the turn stores nothing)."""
         self.done = False
         """Whether the ``data: [DONE]`` line has been seen."""
 
@@ -283,7 +284,8 @@ class _SseWatcher:
             return False
         if "error" in event:
             self.error = event["error"]
-        self.reply.feed_event(event)
+        if self.reply is not None:
+            self.reply.feed_event(event)
         if isinstance(event.get(vllm_pd.KV_TRANSFER_PARAMS), dict):
             self.kv_transfer_params = event[vllm_pd.KV_TRANSFER_PARAMS]
         usage = event.get("usage")
@@ -687,10 +689,11 @@ class Router:
             except Exception as exc:
                 call.http_status = 500
                 call.error_type = type(exc).__name__
-                call.error_message = redact_text(f"router error: {exc}")
-                _logger.error("request %s failed in the router: %s", request_id,
-                              redact_text(f"{type(exc).__name__}: {exc}"))
-                response = _error_json(500, redact_text(f"router error: {type(exc).__name__}: {exc}"),
+                detail = redact_text(str(exc))
+                call.error_message = f"router error: {detail}"
+                _logger.error("request %s failed in the router: %s: %s", request_id,
+                              type(exc).__name__, detail)
+                response = _error_json(500, f"router error: {type(exc).__name__}: {detail}",
                                        kind="router_error", headers=call.response_headers())
             finally:
                 self._finish_span(span, call)
@@ -887,14 +890,15 @@ class Router:
 
     async def _relay_stream(self, request: web.Request, upstream: aiohttp.ClientResponse,
                             inst: InstanceConfig, call: _Call,
-                            on_done: Callable[[_SseWatcher], Awaitable[None]] | None = None
+                            on_done: Callable[[_SseWatcher], Awaitable[None]] | None = None,
+                            *, collect_reply: bool = False
                             ) -> tuple[web.StreamResponse, _SseWatcher]:
         """Copy the decode's SSE to the client as it comes; a mid-stream upstream failure is
         reported in-band (an SSE ``error`` event) since the status line is already sent.
         ``on_done`` runs once the stream is complete, before the bytes holding ``data: [DONE]``
         (or the end of the stream) reach the client: a client that sends its next turn as soon as
         it sees them finds this turn's state already stored."""
-        watcher = _SseWatcher()
+        watcher = _SseWatcher(collect_reply=collect_reply)
         done_called = on_done is None
         observed = call.stream_sent is None
 
@@ -1015,7 +1019,8 @@ class Router:
                         self._count_stream_params(call, watcher, d_inst)
 
                     out, _ = await self._relay_stream(request, upstream, d_inst, call,
-                                                      on_done=turn_done)
+                                                      on_done=turn_done,
+                                                      collect_reply=self._binds(call))
                     return out
                 d_resp = await self._post_json("decode", d_inst, call.endpoint, d_body, headers,
                                                cfg.decode_timeout_s)
@@ -1025,8 +1030,9 @@ class Router:
         call.output_tokens = _usage(d_resp, "completion_tokens")
         if call.prompt_tokens is None:
             call.prompt_tokens = _usage(d_resp, "prompt_tokens")
-        await self._remember(call, d_resp.get(vllm_pd.KV_TRANSFER_PARAMS), d_inst, body,
-                             binding.Reply.from_answer(d_resp))
+        if self._binds(call):
+            await self._remember(call, d_resp.get(vllm_pd.KV_TRANSFER_PARAMS), d_inst, body,
+                                 binding.Reply.from_answer(d_resp))
         return web.json_response(d_resp, headers=call.response_headers())
 
     def _refuse_reuse(self, call: _Call, reason: spans.ReuseRefusal, detail: str,
@@ -1038,12 +1044,18 @@ class Router:
         call.events.append((spans.EventName.REUSE_REFUSED.value,
                             {k: v for k, v in attributes.items() if v is not None}))
 
+    def _binds(self, call: _Call) -> bool:
+        """Whether this turn's returned params are stored for the next turn (bidirectional, a
+        conversation, and no params left stored for another history)."""
+        return (self.config.mode == spans.Mode.BIDIRECTIONAL and call.store_key is not None
+                and not call.keeps_stored)
+
     async def _remember(self, call: _Call, params: Any, inst: InstanceConfig, body: Mapping[str, Any],
-                        reply: binding.Reply) -> None:
+                        reply: binding.Reply | None) -> None:
         """Bidirectional: store the decode's returned params for the conversation's next turn,
-        bound to the history their KV encodes (this turn's prompt and answer)."""
-        if self.config.mode != spans.Mode.BIDIRECTIONAL or call.store_key is None \
-                or call.keeps_stored:
+        bound to the history their KV encodes (this turn's prompt and answer; ``reply`` is None
+        where :meth:`_binds` says the turn stores nothing)."""
+        if reply is None or not self._binds(call):
             return
         if isinstance(params, dict) and vllm_pd.holds_blocks(params):
             history, why = binding.history_of(body, call.endpoint == CHAT_PATH, reply)
