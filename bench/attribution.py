@@ -14,7 +14,8 @@ import sys
 
 from kvtune import spans as S
 from kvtune import traces
-from kvtune.analysis.attribution import named_shares, phase_shares, request_attribution
+from kvtune.analysis.attribution import (named_shares, phase_shares, request_attribution,
+                                         share_summary, summed_span_shares)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -34,14 +35,19 @@ def main(argv: list[str] | None = None) -> int:
     for mode, s in sorted(named_shares(table).items()):
         print(f"{mode:<14} {s.n_requests:>4} {s.named_share_p50:>10.1%} {s.named_share_p10:>10.1%} "
               f"{s.unnamed_ms_p50:>15.2f} {s.ttft_ms_p50:>12.2f}  {s.gap_after} -> {s.gap_before}")
-    shares = phase_shares(df)
-    print("\nmedian share of TTFT per phase (requests where it appears) and total share:")
-    tot = shares.groupby(["mode", "phase"])["ms"].sum()
-    for mode, g in shares.groupby("mode"):
-        all_ms = tot.loc[mode].sum()
-        med = g.groupby("phase")["share"].median().sort_values(ascending=False)
-        print(f"  {mode}: " + ", ".join(f"{p} {v:.1%} ({tot.loc[(mode, p)] / all_ms:.1%})"
-                                        for p, v in med.items()))
+    summary = share_summary(phase_shares(df))
+    panel = summed_span_shares(df).set_index(["mode", "phase"])["share"]
+    print("\nshare of TTFT per phase: median over the requests where it appears (each instant "
+          "given to one span),\nits share of the summed TTFT, and the Grafana panel's share "
+          "(whole span durations summed: nested spans counted in full)")
+    print(f"{'mode':<14} {'phase':<20} {'n':>4} {'median':>8} {'total':>8} {'panel':>8}")
+    for row in summary.itertuples(index=False):
+        p = panel.get((row.mode, row.phase))
+        print(f"{row.mode:<14} {row.phase:<20} {row.n_requests:>4} {row.share_p50:>8.1%} "
+              f"{row.share_total:>8.1%} {'-' if p is None else f'{p:.1%}':>8}")
+    for (mode, phase), p in panel.items():
+        if not ((summary["mode"] == mode) & (summary["phase"] == phase)).any():
+            print(f"{mode:<14} {phase:<20} {0:>4} {'-':>8} {'-':>8} {p:>8.1%}")
     return 0
 
 

@@ -92,6 +92,13 @@ ROUTER_PHASES: Final = (
 """The router's phases of one request (children of ``kv.request``), in causal order: they abut
 (push: the two legs run side by side), and the engines' spans nest inside the legs."""
 
+NOT_TTFT_STEPS: Final = frozenset({SpanName.REQUEST, SpanName.RETENTION})
+"""Spans that are not steps of one request's time to first token: the request itself (the window)
+and retention (a wait between turns). Every other span of the convention is a step."""
+TTFT_STEP_SPANS: Final = tuple(n for n in SpanName if n not in NOT_TTFT_STEPS)
+"""The steps of a request's TTFT: what the attribution gives each instant to and what the
+dashboard's per-phase share panel sums (in :class:`SpanName` order)."""
+
 # --- Common attributes ---------------------------------------------------------------------------
 REQUEST_ID: Final = "kv.request_id"
 """The request id as the emitting engine sees it (e.g. vLLM's ``cmpl-...-0``)."""

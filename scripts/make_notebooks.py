@@ -147,6 +147,14 @@ NOTEBOOKS: dict[str, list[tuple[str, str]]] = {
                  'seg = attribution.segments(spans)\n'
                  'for tid in attribution.waterfall_requests(table):\n'
                  '    nb.show(plots.waterfall(seg, tid), f"waterfall-{tid[:12]}")'),
+        ("markdown", "Share of TTFT per phase and serving mode: the median over the requests where "
+                     "the phase appears, and its share of the mode's summed TTFT (what "
+                     "`bench/attribution.py` prints; Grafana's per-phase panel sums whole span "
+                     "durations instead, see docs/spans.md)."),
+        ("code", 'shares = attribution.share_summary(attribution.phase_shares(spans))\n'
+                 'nb.publish("ttft_phase_shares", shares.to_dict("records"))\n'
+                 'shares.style.format({"share_p50": "{:.1%}", "share_total": "{:.1%}"})'
+                 '.hide(axis="index")'),
     ],
     "tune": [
         ("markdown", "# Tune\nThe whole analysis end to end: recommendation with evidence, "

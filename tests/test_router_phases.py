@@ -40,6 +40,8 @@ def test_phases_abut_under_kv_request_with_reuse_and_bytes(mode, stream, tmp_pat
         if mode == spans.Mode.PUSH.value:
             want.discard(N.HANDOFF.value)
         assert set(kids) == want
+        # every phase carries the request's mode (the dashboards filter on it)
+        assert {k.attributes[spans.MODE] for k in kids.values()} == {mode}
         route, p_leg, d_leg = kids[N.ROUTE.value], kids[N.PREFILL_LEG.value], kids[N.DECODE_LEG.value]
         assert route.start_time == req.start_time
         assert route.end_time == min(p_leg.start_time, d_leg.start_time)

@@ -32,7 +32,7 @@ UNNAMED = "unnamed"
 """The ``phase`` of time no span names."""
 NAMED_SHARE_QUANTILES: tuple[float, float] = (0.5, 0.1)
 """The per-request quantiles of the named share a summary reports (median, p10)."""
-EXCLUDED_SPANS: frozenset[str] = frozenset({S.SpanName.REQUEST.value, S.SpanName.RETENTION.value})
+EXCLUDED_SPANS: frozenset[str] = frozenset(n.value for n in S.NOT_TTFT_STEPS)
 """Spans that are not steps of the request's TTFT (the window itself; a wait between turns)."""
 ROUTER_LAYER, ENGINE_LAYER = 1, 2
 """Priority of a span's instants: engine spans nest inside the router's phases."""
@@ -123,6 +123,56 @@ def phase_shares(spans: pd.DataFrame) -> pd.DataFrame:
             rows.append((tid, mode, float(ttft), phase, ns / 1e6,
                          ns / 1e6 / ttft if ttft > 0 else float("nan")))
     return pd.DataFrame(rows, columns=list(PHASE_COLUMNS))
+
+
+SUMMARY_COLUMNS: tuple[str, ...] = ("mode", "phase", "n_requests", "share_p50", "share_total")
+"""Columns of :func:`share_summary`: per mode and phase, the requests it appears in, its median
+share of their TTFT and its share of the mode's summed TTFT."""
+
+
+def share_summary(shares: pd.DataFrame) -> pd.DataFrame:
+    """Per mode and phase of :func:`phase_shares`' frame (:data:`SUMMARY_COLUMNS`), each mode's
+    phases by median share, largest first: what the bench prints and the report tabulates."""
+    if shares.empty:
+        return pd.DataFrame(columns=list(SUMMARY_COLUMNS))
+    shares = shares.assign(mode=shares["mode"].astype("object").fillna("?"))
+    per_mode_ms = shares.groupby("mode")["ms"].sum()
+    g = shares.groupby(["mode", "phase"])
+    out = pd.DataFrame({"n_requests": g["trace_id"].nunique(), "share_p50": g["share"].median(),
+                        "ms": g["ms"].sum()}).reset_index()
+    out["share_total"] = out["ms"] / out["mode"].map(per_mode_ms)
+    out = out.sort_values(["mode", "share_p50", "phase"], ascending=[True, False, True])
+    return out[list(SUMMARY_COLUMNS)].reset_index(drop=True)
+
+
+SUMMED_COLUMNS: tuple[str, ...] = ("mode", "phase", "ms", "share")
+"""Columns of :func:`summed_span_shares`."""
+PANEL_SPANS: frozenset[str] = frozenset(
+    n.value for n in S.TTFT_STEP_SPANS if n is not S.SpanName.NOTIFY)
+"""The spans the dashboard's per-phase share panel sums (its ``SHARE_SPANS``: steps with an
+extent; ``kv.notify`` is an instant)."""
+
+
+def summed_span_shares(spans: pd.DataFrame) -> pd.DataFrame:
+    """What the dashboard's "share of time per phase" panel stacks, over the whole range, per
+    serving mode (:data:`SUMMED_COLUMNS`): every step span's whole duration summed per ``kv.mode``
+    and name, and its share of the mode's sum.
+
+    Unlike :func:`phase_shares` nothing is clipped to the TTFT window and spans that nest (an
+    engine's inside a router leg) or run side by side are each counted in full, as a TraceQL
+    ``sum_over_time(duration)`` counts them; spans without ``kv.mode`` are left out, as the
+    panel's mode filter leaves them out."""
+    if spans.empty or S.MODE not in spans.columns:
+        return pd.DataFrame(columns=list(SUMMED_COLUMNS))
+    names = spans["name"].astype("object")
+    mode = spans[S.MODE].astype("object")
+    keep = (names.isin(PANEL_SPANS) & mode.notna()).to_numpy(dtype=bool)
+    df = pd.DataFrame({"mode": mode[keep].astype(str), "phase": names[keep],
+                       "ms": (spans["end_ns"][keep] - spans["start_ns"][keep]).to_numpy() / 1e6})
+    out = df.groupby(["mode", "phase"])["ms"].sum().reset_index()
+    out["share"] = out["ms"] / out["mode"].map(out.groupby("mode")["ms"].sum())
+    out = out.sort_values(["mode", "share", "phase"], ascending=[True, False, True])
+    return out[list(SUMMED_COLUMNS)].reset_index(drop=True)
 
 
 def request_attribution(spans: pd.DataFrame) -> pd.DataFrame:

@@ -112,11 +112,10 @@ def phases_overview_query() -> str:
     return spanset(any_phase, SERVICE_FILTER, MODE_FILTER) + " | quantile_over_time(duration, 0.9) by (name)"
 
 
-SHARE_SPANS: Final = tuple(
-    n for n in SpanName
-    if n not in (SpanName.REQUEST, SpanName.RETENTION, SpanName.NOTIFY))
+SHARE_SPANS: Final = tuple(n for n in spans.TTFT_STEP_SPANS if n not in INSTANT_PHASES)
 """The spans of the per-phase share panel: every step of a request's TTFT that has an extent (the
-router's phases and the engines' spans; not the request itself, nor retention between turns)."""
+router's phases and the engines' spans; not the request itself, nor retention between turns).
+``kvtune.analysis.attribution.summed_span_shares`` computes the panel's shares offline."""
 
 
 def phase_shares_query() -> str:

@@ -17,8 +17,8 @@ from opentelemetry import trace
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from kvtune.spans import (
-    ERROR_TYPE, HTTP_CONNECTION_REUSED, HTTP_REQUEST_BYTES, HTTP_RESPONSE_BYTES, TRACEPARENT_HEADER,
-    Role, SpanName,
+    ERROR_TYPE, HTTP_CONNECTION_REUSED, HTTP_REQUEST_BYTES, HTTP_RESPONSE_BYTES, MODE,
+    TRACEPARENT_HEADER, Role, SpanName,
 )
 
 _logger = logging.getLogger(__name__)
@@ -125,11 +125,14 @@ class RequestPhases:
             if not parent.is_recording() or not self.legs:
                 return
             ctx = trace.set_span_in_context(parent)
+            # the request's serving mode on every phase: the dashboards' mode filter keeps them
+            mode = {MODE: (getattr(parent, "attributes", None) or {}).get(MODE)}
             first = min(leg.start_ns for leg in self.legs.values())
-            _span(tracer, ctx, SpanName.ROUTE, self.start_ns, first, {})
+            _span(tracer, ctx, SpanName.ROUTE, self.start_ns, first, mode)
             for name, leg in self.legs.items():
                 end = leg.end_ns if leg.end_ns is not None else time.time_ns()
                 _span(tracer, ctx, LEG_SPANS[name], leg.start_ns, end, {
+                    **mode,
                     HTTP_CONNECTION_REUSED: leg.reused, HTTP_REQUEST_BYTES: leg.request_bytes,
                     HTTP_RESPONSE_BYTES: leg.response_bytes,
                     ERROR_TYPE: None if leg.error is None else LEG_ERROR_TYPE},
@@ -137,7 +140,7 @@ class RequestPhases:
             p, d = self.legs.get("prefill"), self.legs.get("decode")
             if p is not None and d is not None and p.end_ns is not None \
                     and p.end_ns <= d.start_ns:
-                _span(tracer, ctx, SpanName.HANDOFF, p.end_ns, d.start_ns, {})
+                _span(tracer, ctx, SpanName.HANDOFF, p.end_ns, d.start_ns, mode)
         except Exception:
             _logger.warning("emitting the router's phase spans failed", exc_info=True)
 
