@@ -10,7 +10,8 @@ from kvtune.analysis import FloorFit, PrefillCost, TracedRequest, Workload
 from kvtune.errors import AnalysisError, ConfigError
 from kvtune.recommend import NEVER, Tuning, recommend
 from kvtune.recommend.mode import recommend_mode
-from kvtune.recommend.threshold import break_even_tokens, recommend_threshold
+from kvtune.recommend.threshold import (PICKUP_MIN_SAMPLES, break_even_tokens, pickup_of,
+                                       recommend_threshold)
 from kvtune.recommend.ttl import recommend_ttl
 from kvtune.testing import synthetic as syn
 
@@ -41,6 +42,25 @@ def test_threshold_linear_hand_computed():
     assert rec.evidence.recompute_ms_at_break_even == pytest.approx(2.5)
     assert rec.unit == "tokens" and rec.name == "kv_recompute_threshold"
     assert findings == []
+
+
+def test_threshold_prices_the_engines_pickup_of_a_finished_read():
+    # floor 2 ms + pickup 1 ms + 0.01 ms/token == 0.05 ms/token  ->  R = 3 / 0.04 = 75 tokens
+    pickup = pickup_of([0.5, 1.0, 1.0, 1.0, 1.0, 1.0, 1.5, 1.0, 9.0], n_boot=50)
+    assert pickup is not None and pickup.ms == 1.0 and pickup.n == 9
+    assert pickup.ci_ms[0] <= 1.0 <= pickup.ci_ms[1] and "median of 9" in pickup.source
+    rec, _ = recommend_threshold(_fit(), _prefill(), bytes_per_token=BPT, descriptors_per_token=0,
+                                 max_context_tokens=10_000, pickup=pickup)
+    assert rec.value == 75
+    ev = rec.evidence
+    assert ev.floor_ms == 2.0 and ev.pickup_ms == 1.0 and ev.pull_ms_at_break_even == pytest.approx(3.75)
+    assert "pickup" in rec.assumptions[0]
+    # too few measured pickups: none priced, and the assumptions say so
+    assert pickup_of([1.0] * (PICKUP_MIN_SAMPLES - 1)) is None
+    rec, _ = recommend_threshold(_fit(), _prefill(), bytes_per_token=BPT, descriptors_per_token=0,
+                                 max_context_tokens=10_000)
+    assert rec.value == 50 and "not priced" in rec.assumptions[0]
+    assert "pickup_ms" not in rec.evidence.as_dict()
 
 
 def test_threshold_with_attention_term_hand_computed():

@@ -10,8 +10,8 @@ from kvtune import cli
 from kvtune.local.regime import FLEET, WARM
 from kvtune.verify import crossover as X
 from kvtune.verify.backends import ClusterBackend, LocalPairBackend
-from kvtune.verify.run import assemble
-from kvtune.verify.tune_link import TUNE_VERIFY_STARTS
+from kvtune.verify.run import MoreStarts, assemble
+from kvtune.verify.tune_link import TUNE_VERIFY_AIM_PCT, TUNE_VERIFY_MAX_STARTS, TUNE_VERIFY_STARTS
 
 
 @pytest.fixture
@@ -37,6 +37,8 @@ def test_two_configs_on_the_local_pair(calls, tmp_path, capsys):
     assert backend.pair_kwargs == {"connector": "vllm", "layout": "quiet", "regime": WARM}
     assert "lab regime warm" in backend.description
     assert kw["starts"] == TUNE_VERIFY_STARTS and kw["turn_major"] is False  # A B A B A B
+    # rounds are added while the run could not detect a 10% effect, up to 5 starts
+    assert kw["more_starts"] == MoreStarts(TUNE_VERIFY_AIM_PCT, TUNE_VERIFY_MAX_STARTS)
     assert len(plans) == 3 and out == tmp_path / "o" and kw["crossover"] is None
     assert json.loads((tmp_path / "w.json").read_text())["format"] == "kvtune.workload/1"
     assert "3 conversations, 6 requests" in kw["workload"]
@@ -139,3 +141,13 @@ def test_tune_workload_replays_tunes_traffic_two_at_a_time(calls, tmp_path):
 def test_modes_need_a_recommendation(calls, tmp_path, capsys):
     rc = cli.main(["verify", "--config", "defaults", "--modes", "--out", str(tmp_path)])
     assert rc == 2 and "--modes: needs --tune-dir" in capsys.readouterr().err and calls == []
+
+
+def test_max_starts_at_or_below_starts_adds_no_round_and_a_bad_aim_is_refused(calls, tmp_path,
+                                                                               capsys):
+    base = ["verify", "--config", "defaults", "--config", "b=defaults:bidirectional",
+            "--conversations", "3", "--out", str(tmp_path / "o"), "--no-progress"]
+    assert cli.main(base + ["--starts", "2", "--max-starts", "2"]) == 0
+    assert calls[-1][4]["more_starts"] is None
+    assert cli.main(base + ["--aim-detectable", "0"]) == 2
+    assert "--aim-detectable: expected a percentage > 0, got 0.0" in capsys.readouterr().err

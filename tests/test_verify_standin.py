@@ -58,3 +58,25 @@ def test_cluster_backend_needs_both_roles():
     from kvtune.errors import ConfigError
     with pytest.raises(ConfigError, match="prefill and one decode"):
         ClusterBackend([], [], confirm=lambda c, t: None)
+
+
+@pytest.mark.parametrize("aim, budget_s, rounds", [
+    (1e-9, None, 3),   # the run can never detect so small an effect: rounds up to max_starts
+    (1e9, None, 2),    # it detects any effect after the first starts: none added
+    (1e-9, 0.0, 2),    # another round would end past the budget: none added
+])
+def test_more_starts_while_the_detectable_effect_is_above_the_aim(tmp_path, aim, budget_s,
+                                                                   rounds):
+    from kvtune.verify.run import MoreStarts
+    told = []
+    with StandInVllmCluster(bidirectional=True) as cluster:
+        backend = ClusterBackend([s.instance() for s in cluster.prefill],
+                                 [s.instance() for s in cluster.decode],
+                                 confirm=lambda cfg, text: told.append(cfg.name))
+        res = run_verify([load_config("defaults"), load_config("bidi=defaults:bidirectional")],
+                         backend, generate(SMALL), tmp_path / "out", workload="small", starts=2,
+                         more_starts=MoreStarts(aim, max_starts=3, budget_s=budget_s),
+                         progress=False)
+    assert told == ["defaults", "bidi"] * rounds  # whole rounds, still alternating
+    assert [c.starts for c in res.configs] == [rounds, rounds]
+    assert res.comparisons[0].p50.starts == rounds

@@ -16,7 +16,7 @@ def test_verify_defaults_against_bidirectional_on_the_local_pair(tmp_path, capsy
     out = tmp_path / "verify"
     rc = cli.main(["verify", "--config", "defaults", "--config", "bidi=defaults:bidirectional",
                    "--conversations", "4", "--turns", "2", "2", "--think-time", "0.3", "1.0",
-                   "--rate", "2", "--starts", "1", "--out", str(out), "--no-progress"])
+                   "--rate", "2", "--starts", "1", "--max-starts", "1", "--out", str(out), "--no-progress"])
     assert rc == 0, capsys.readouterr().err[-3000:]
     res = results.read(out / results.RESULT_FILE)
     assert (out / results.PAGE_FILE).stat().st_size > 100_000  # plotly.js inline

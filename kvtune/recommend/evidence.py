@@ -74,6 +74,11 @@ class ThresholdEvidence:
     """Break-even over the fabric fit's intervals alone (prefill at its fitted value)."""
     break_even_range_prefill_tokens: tuple[float | None, float | None] | None = None
     """Break-even over the prefill fit's intervals alone (fabric at its fitted value)."""
+    pickup_ms: float | None = field(default=None, metadata=OMIT_NONE)
+    """Added to the fabric floor: a pulled-back history's wait from its READ done to the engine's
+    next step picking the request up (None: not measured, not priced)."""
+    pickup_ci_ms: tuple[float, float] | None = field(default=None, metadata=OMIT_NONE)
+    pickup_source: str | None = field(default=None, metadata=OMIT_NONE)
 
     def as_dict(self) -> dict[str, Any]:
         return evidence_dict(self)

@@ -1,7 +1,8 @@
 """``kv_recompute_threshold``: the history length above which pulling it back beats recomputing it.
 
-Pulling R tokens costs ``floor + R * c`` (c: ms per token on the wire, from the fit's bandwidth and
-per-descriptor cost); recomputing them costs ``R * a + R^2 / 2 * k`` (the prefill's per-token and
+Pulling R tokens costs ``floor + pickup + R * c`` (c: ms per token on the wire, from the fit's
+bandwidth and per-descriptor cost; pickup: the wait from the READ done to the engine's next step
+taking the request up, :class:`Pickup`); recomputing them costs ``R * a + R^2 / 2 * k`` (the prefill's per-token and
 attention terms, :meth:`PrefillCost.recompute_ms`). The break-even R solves
 ``k R^2 + (a - c) R - floor = 0``. Its range comes from the fabric fit's and the prefill fit's
 confidence intervals together: the high end where pulling is dearest and recomputing cheapest
@@ -11,7 +12,11 @@ at the opposite corner.
 from __future__ import annotations
 
 import math
-from dataclasses import replace
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import Final
+
+import numpy as np
 
 from kvtune.analysis.fit import FloorFit
 from kvtune.analysis.prefill import PrefillCost
@@ -44,11 +49,51 @@ def break_even_tokens(floor_ms: float, wire_ms_per_tok: float, prefill: PrefillC
     return floor_ms / b if b > 0 else math.inf
 
 
+@dataclass(frozen=True)
+class Pickup:
+    """A pulled-back history's wait from its READ done to the engine's next step scheduling the
+    request: vLLM notices finished transfers once per step, as it does for a decode's pull
+    (measured there as ``kv.decode_start``). The fabric floor does not hold it; serving pays it on
+    every pull (the lab's paired sweep measured pull ~1.3 ms dearer at one block than the floor
+    priced it, about the decode's median ``kv.decode_start``)."""
+
+    ms: float
+    ci_ms: tuple[float, float]
+    n: int
+    source: str
+
+
+PICKUP_MIN_SAMPLES: Final = 8
+"""Fewer measured pickups than this and none is priced (the floor alone, as before)."""
+
+
+def pickup_of(first_step_ms: Sequence[float], *, n_boot: int = 200, seed: int = 0,
+              what: str = "kv.decode_start") -> Pickup | None:
+    """The median of measured KV-ready -> scheduled waits with a bootstrap 95% interval; None
+    with fewer than :data:`PICKUP_MIN_SAMPLES` finite values."""
+    x = np.asarray([float(v) for v in first_step_ms], dtype=float)
+    x = x[np.isfinite(x) & (x >= 0)]
+    if x.size < PICKUP_MIN_SAMPLES:
+        return None
+    rng = np.random.default_rng(seed)
+    boots = np.median(x[rng.integers(0, x.size, size=(n_boot, x.size))], axis=1)
+    lo, hi = (float(v) for v in np.quantile(boots, [0.025, 0.975]))
+    return Pickup(float(np.median(x)), (lo, hi), int(x.size),
+                  f"measured: KV ready -> scheduled ({what} median of {x.size} transfers); a "
+                  f"pulled-back history waits for the prefill's next step the same way")
+
+
 def recommend_threshold(fit: FloorFit, prefill: PrefillCost, *, bytes_per_token: float,
                         descriptors_per_token: float, max_context_tokens: int,
+                        pickup: Pickup | None = None,
                         ) -> tuple[Recommendation, list[Finding]]:
     """The threshold (tokens, rounded up) or :data:`NEVER` when break-even lies beyond
-    ``max_context_tokens`` (the longest history this traffic offers)."""
+    ``max_context_tokens`` (the longest history this traffic offers). ``pickup`` (None: not
+    priced) is added to the floor, its interval to the floor's."""
+    if pickup is not None:
+        fit = replace(fit, floor_ms=fit.floor_ms + pickup.ms,
+                      floor_ci_ms=(fit.floor_ci_ms[0] + pickup.ci_ms[0],
+                                   fit.floor_ci_ms[1] + pickup.ci_ms[1]))
     c = wire_ms_per_token(fit.bandwidth_gbps, fit.per_descriptor_us, bytes_per_token,
                           descriptors_per_token)
     r = break_even_tokens(fit.floor_ms, c, prefill)
@@ -69,7 +114,8 @@ def recommend_threshold(fit: FloorFit, prefill: PrefillCost, *, bytes_per_token:
 
     evidence = ThresholdEvidence(
         break_even_tokens=real(r),
-        floor_ms=fit.floor_ms, bandwidth_gbps=fit.bandwidth_gbps,
+        floor_ms=fit.floor_ms - (pickup.ms if pickup is not None else 0.0),
+        bandwidth_gbps=fit.bandwidth_gbps,
         per_descriptor_us=fit.per_descriptor_us, bytes_per_token=bytes_per_token,
         descriptors_per_token=descriptors_per_token, wire_ms_per_token=c,
         prefill_per_token_ms=prefill.per_token_ms,
@@ -85,10 +131,15 @@ def recommend_threshold(fit: FloorFit, prefill: PrefillCost, *, bytes_per_token:
             real(break_even_tokens(fit.floor_ci_ms[1], c_hi, prefill))),
         break_even_range_prefill_tokens=(real(break_even_tokens(fit.floor_ms, c, dear)),
                                          real(break_even_tokens(fit.floor_ms, c, cheap))),
+        pickup_ms=pickup.ms if pickup is not None else None,
+        pickup_ci_ms=pickup.ci_ms if pickup is not None else None,
+        pickup_source=pickup.source if pickup is not None else None,
     )
     assumptions = (
         "pull cost = fitted floor + tokens x bytes_per_token / bandwidth (+ descriptors x "
-        "per-descriptor cost), one transfer per history",
+        "per-descriptor cost), one transfer per history"
+        + (" + the engine's pickup of the finished READ (its next step)" if pickup is not None
+           else "; the engine's pickup of the finished READ not measured, not priced"),
         "recompute cost = the fitted prefill per-token and attention terms for the history alone "
         "(the new tokens' cost is paid either way)",
         "range from the fabric fit's and the prefill fit's 95% intervals together (the corners "

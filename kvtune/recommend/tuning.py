@@ -20,7 +20,7 @@ from kvtune.errors import AnalysisError, ConfigError
 from kvtune.recommend.findings import readiness, unnamed_time_finding, versions_in
 from kvtune.recommend.mode import TracedPath, recommend_mode
 from kvtune.recommend.results import NEVER, Finding, Tuning
-from kvtune.recommend.threshold import recommend_threshold
+from kvtune.recommend.threshold import pickup_of, recommend_threshold
 from kvtune.recommend.ttl import recommend_ttl
 
 logger = logging.getLogger(__name__)
@@ -247,8 +247,10 @@ def recommend(spans: pd.DataFrame, *, geometry: Any = None,
     if max_context_tokens is None:
         seen = list(wl.gap_tokens) + list(wl.prompt_tokens) + [pc.max_tokens_observed]
         max_context_tokens = int(max(seen)) if seen else 0
+    first = tr["decode_start_ms"].dropna().astype(float) if "decode_start_ms" in tr else None
+    pickup = pickup_of(first.to_numpy(), seed=seed) if first is not None else None
     thr, f = recommend_threshold(fit, pc, bytes_per_token=bpt, descriptors_per_token=dpt,
-                                 max_context_tokens=max_context_tokens)
+                                 max_context_tokens=max_context_tokens, pickup=pickup)
     findings += f
     thr_tokens = math.inf if thr.value == NEVER else float(thr.value)
     ttl, f = recommend_ttl(wl, bytes_per_token=bpt, hbm_budget_gb=hbm_budget_gb,
@@ -268,7 +270,6 @@ def recommend(spans: pd.DataFrame, *, geometry: Any = None,
         except AnalysisError:
             continue
     block = block_tokens_of(tr, geometry)
-    first = tr["decode_start_ms"].dropna().astype(float) if "decode_start_ms" in tr else None
     first_ms = float(first.median()) if first is not None and len(first) else None
     mode, f = recommend_mode(wl, mode_fit, pc, bytes_per_token=bpt, descriptors_per_token=dpt,
                              threshold=thr.value, ttl_s=float(ttl.value),

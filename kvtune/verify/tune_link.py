@@ -26,6 +26,14 @@ TUNE_VERIFY_STARTS: Final = 3
 spread between the starts' own estimates (which bounds the standard error) rests on one degree of
 freedom, and the smallest detectable effect of five fleet runs wandered from 4.1% to 12.8%; a
 third start costs about 35 s per configuration here."""
+TUNE_VERIFY_AIM_PCT: Final = 10.0
+"""``kvtune tune --verify`` adds whole rounds of starts (A B) while the smallest effect it could
+detect at p50 exceeds this (``kvtune.verify.run.MoreStarts``): one start 40% off the others (seen
+here once in three fresh fleet runs) left a detectable effect of 23.5% after three starts."""
+TUNE_VERIFY_MAX_STARTS: Final = 5
+"""At most this many starts per configuration with the added rounds."""
+TUNE_VERIFY_BUDGET_S: Final = 360.0
+"""No round is added that would end the verification's measurements past six minutes."""
 TUNE_VERIFY_SEED: Final = 1
 """``kvtune tune --verify``'s seed: the replayed conversations' tokens (tune's own traffic uses 0:
 the same sizes, other tokens) and the crossover's bootstrap."""
@@ -99,7 +107,7 @@ def verify_tune_dir(tune_dir: str | Path, *, shaped_rate_mbit: float | None,
     from kvtune.tune.sources import workload_plans
     from kvtune.verify import configs as C
     from kvtune.verify.backends import LocalPairBackend
-    from kvtune.verify.run import describe, run_verify
+    from kvtune.verify.run import MoreStarts, describe, run_verify
 
     tune = Path(tune_dir)
     rec_path = tune / "configs" / C.RECOMMENDATION_FILE
@@ -129,6 +137,9 @@ def verify_tune_dir(tune_dir: str | Path, *, shaped_rate_mbit: float | None,
                                                  f"(lab regime {reg.name}, seed {seed})"),
                         baseline=baseline, recommendation=rec, crossover=sweep,
                         max_concurrency=reg.parallel_conversations, turn_major=reg.turn_major,
-                        starts=starts, progress=progress, seed=seed)
+                        starts=starts, progress=progress, seed=seed,
+                        more_starts=MoreStarts(TUNE_VERIFY_AIM_PCT,
+                                               max(starts, TUNE_VERIFY_MAX_STARTS),
+                                               TUNE_VERIFY_BUDGET_S))
     attach(result, tune)
     return result
