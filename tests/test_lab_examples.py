@@ -47,7 +47,7 @@ def test_the_run_is_the_regime_it_says_with_every_start(example):
 def test_the_verdict_is_what_the_recorded_requests_give(example):
     _, _, recorded, _ = example
     baseline = recorded.comparisons[0].baseline
-    again = verdict.comparisons(recorded.configs, baseline)
+    again = verdict.comparisons(recorded.configs, baseline, seed=TUNE_VERIFY_SEED)
     assert [(c.candidate, c.verdict) for c in again] == [
         (c.candidate, c.verdict) for c in recorded.comparisons]
 
