@@ -86,7 +86,9 @@ class StandInState:
         for t in self.rec.search_range.get("traces", []):
             t_s = (int(t["startTimeUnixNano"]) + self.shift_ns) / 1e9
             if start <= t_s < end:
-                hits.append(t)
+                # as the moved recording: its start time moved with it
+                hits.append({**t, "startTimeUnixNano": str(int(t["startTimeUnixNano"])
+                                                           + self.shift_ns)})
         hits.sort(key=lambda t: -int(t["startTimeUnixNano"]))
         doc = {"traces": hits[:limit], "metrics": self.rec.search_range.get("metrics", {})}
         return 200, json.dumps(doc).encode()
