@@ -69,6 +69,11 @@ class StandInState:
     fails part way through a long read)."""
     search_metrics: dict[str, Any] | None = None
     """The ``metrics`` of every ranged search answer (default: the recorded ones)."""
+    search_status: int = 200
+    """Status of every ranged search answer (206: Tempo's partial content)."""
+    partial_trace_message: str | None = None
+    """Answer every trace as Tempo answers one over its size limit: ``"status": "PARTIAL"`` and
+    this message beside the trace."""
     trace_status: int = 200
     """Status of every trace answer (206: Tempo's partial content)."""
     match_before_s: int = 0
@@ -108,7 +113,7 @@ class StandInState:
         hits.sort(key=lambda t: -int(t["startTimeUnixNano"]))
         doc = {"traces": hits[:limit], "metrics": self.rec.search_range.get("metrics", {})
                if self.search_metrics is None else self.search_metrics}
-        return 200, json.dumps(doc).encode()
+        return self.search_status, json.dumps(doc).encode()
 
 
 def _go_duration(seconds: int) -> str:
@@ -131,6 +136,9 @@ class _Handler(BaseHTTPRequestHandler):
             body = st.rec.traces[m.group(1)]
             if st.cut_body_at is not None:
                 return self._send(200, body, cut=st.cut_body_at)
+            if st.partial_trace_message is not None:
+                body = json.dumps({**json.loads(body), "status": "PARTIAL",
+                                   "message": st.partial_trace_message}).encode()
             return self._send(st.trace_status, body)
         if parts.path == "/api/metrics/query_range" and q.get("q", [""])[0] in st.rec.metrics:
             if st.metrics_status != 200:
