@@ -232,3 +232,20 @@ def test_the_progress_bar_counts_pages_on_stderr_only_when_asked(rec, capsys):
         quiet = capsys.readouterr()
     assert "tempo pages" in shown.err and "/4" in shown.err and "tempo pages" not in shown.out
     assert "tempo pages" not in quiet.err
+
+
+def test_a_page_over_the_request_cap_is_cut_short_and_the_next_page_is_read(rec, monkeypatch):
+    from kvtune.traces import tempo as tempo_mod
+
+    monkeypatch.setattr(tempo_mod, "MAX_SEARCH_REQUESTS", 3)
+    with serve(rec) as (host, state):
+        start, end = fixed_range(state)
+        busy = _pages_with_traces(rec, state, start, 60)
+        df = traces.load(f"tempo+http://{host}?{Q}&start={start}&end={end}&page=1m&limit=2",
+                         correct_clocks=False)
+    (read,) = df.attrs["tempo_reads"]
+    assert not read.search.complete
+    capped = [c for c in read.search.cut_short if "3 search requests for one page" in c]
+    # the cap ends one page's search, not the read: later pages were searched (and capped) too
+    assert 2 <= len(capped) <= len(busy)
+    assert len(df) > 0  # what the capped pages found is kept

@@ -386,9 +386,6 @@ class _Reader:
                 for i, (lo, hi) in enumerate(pages):
                     if i in done:
                         continue
-                    if searcher.stopped:
-                        cut.append(f"no search requests left for {_iso(lo)} .. {_iso(end)}")
-                        break
                     spans_before = self.flushed_spans + len(self.rows)
                     requests_before = searcher.requests
                     page_partial: list[str] = []

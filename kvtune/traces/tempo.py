@@ -60,7 +60,7 @@ window is halved until it is accepted."""
 MIN_WINDOW_S = 1
 """Tempo's search range is in whole seconds: a one-second window cannot be split further."""
 MAX_SEARCH_REQUESTS = 2000
-"""Search requests one read may send before it stops, saying so (splitting is bounded)."""
+"""Search requests one page may send before the read stops, saying so (splitting is bounded)."""
 DEFAULT_TIMEOUT_S = 30.0
 API_VERSIONS = ("auto", "v1", "v2")
 MAX_SEARCH_BODY_BYTES = 64 * 2**20
@@ -435,9 +435,6 @@ class TempoSource:
             cut += page.cut_short
             for tid in page.trace_ids:
                 found.setdefault(tid, None)
-            if searcher.stopped:
-                cut.append(f"no search requests left for {_iso(hi)} .. {_iso(end)}")
-                break
         return TempoSearch(url=f"{self.base_url}/api/search", query=self.query, start_s=start,
                            end_s=end, range_from=range_from, limit=searcher.limit,
                            trace_ids=tuple(found), requests=searcher.requests, windows=windows,
@@ -482,14 +479,13 @@ class PageSearch:
 class PageSearcher:
     """Searches pages of one read in turn: splits a window at the limit (down to one second) and
     at the server's longest range, lowers the limit to the server's maximum, and stops after
-    :data:`MAX_SEARCH_REQUESTS` requests in all."""
+    :data:`MAX_SEARCH_REQUESTS` requests for one page."""
 
     def __init__(self, source: TempoSource) -> None:
         self.source = source
         self.limit = source.limit
         self.max_window = MAX_WINDOW_S
         self.requests = 0
-        self.stopped = False
 
     def page(self, lo: int, hi: int, *, range_start: int, range_end: int) -> PageSearch:
         """The traces whose start falls in ``lo .. hi`` (a trace starting before ``range_start``
@@ -500,12 +496,13 @@ class PageSearcher:
         found: dict[str, None] = {}
         windows = 0
         cut: list[str] = []
+        first_request = self.requests
         while pending:
-            if self.requests >= MAX_SEARCH_REQUESTS:
-                cut.append(f"stopped after {self.requests} search requests with {len(pending)} "
+            if self.requests - first_request >= MAX_SEARCH_REQUESTS:
+                cut.append(f"stopped after {self.requests - first_request} search requests for "
+                           f"one page with {len(pending)} "
                            f"window(s) unsearched from {_iso(pending[-1][0])}; raise limit= or "
-                           f"narrow the range")
-                self.stopped = True
+                           f"use shorter pages (page=)")
                 break
             wlo, whi = pending.pop()
             status, body, url = src._search_once(wlo, whi, self.limit)
