@@ -68,8 +68,10 @@ MAX_SEARCH_BODY_BYTES = 64 * 2**20
 MAX_TRACE_BODY_BYTES = 256 * 2**20
 """Largest trace answer read (256 MiB; Tempo's own ``max_bytes_per_trace`` default is 5 MB)."""
 DEFAULT_PAGE_S = 3600
-"""Seconds of the range searched and fetched as one page (the cursor's unit of resumption): an
-hour of a 16-pair fleet at 10 requests/s per pair is 576,000 traces."""
+"""Seconds of the range searched and fetched as one page (the cursor's unit of resumption). An
+hour of a 16-pair fleet at 10 requests/s per pair is 576,000 traces: at ``limit=1000`` its search
+takes 2,047 requests, more than a page may send (:data:`MAX_SEARCH_REQUESTS`); such a fleet reads
+with ``page=10m`` or a higher ``limit`` (``docs/fleet-scale.md``)."""
 MAX_UNIX_S = 2**63 // 10**9
 """Latest time a range may name (Tempo keeps nanoseconds in int64)."""
 _FLAGS = {"1": True, "true": True, "yes": True, "0": False, "false": False, "no": False, "": False}

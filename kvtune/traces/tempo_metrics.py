@@ -215,3 +215,11 @@ def fleet_metrics(source: TempoSource, start_s: int, end_s: int) -> FleetMetrics
             f"span.{sc.RETENTION_OUTCOME}").items())},
         rdma_bytes=dict(sorted(rdma.items())),
         requests=sum(a.requests for a in answers.values()), missing=missing)
+
+
+def fleet_summary(source: str | TempoSource, *, now_s: float | None = None) -> FleetMetrics:
+    """:func:`fleet_metrics` over a Tempo source's range (``tempo+http://...?since=1d`` or
+    ``start=&end=``), without fetching a trace."""
+    src = source if isinstance(source, TempoSource) else TempoSource.from_url(source)
+    start, end, _ = src.time_range(now_s)
+    return fleet_metrics(src, start, end)
