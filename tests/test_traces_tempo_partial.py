@@ -167,3 +167,25 @@ def test_a_day_of_metrics_is_asked_in_pieces_tempo_accepts(rec):
     assert fleet.requests == len(asked) == 3 * 8
     spans_ = sorted((int(q["start"][0]), int(q["end"][0])) for q in asked)
     assert spans_[0][0] == 1_000_000 and spans_[-1][1] == 1_000_000 + 86400
+
+
+def test_metrics_that_cannot_be_read_are_a_warning_not_a_failed_read(rec, monkeypatch):
+    """Tempo unreachable or past the deadline for its metrics, after the traces were read: the
+    read keeps its traces and says which totals are missing."""
+    from kvtune.errors import TraceSourceError
+    from kvtune.traces.tempo import TempoSource
+
+    real_get = TempoSource._get
+
+    def failing(self, path, params=None, **kw):
+        if path == "/api/metrics/query_range":
+            raise TraceSourceError(f"{self.base_url}{path}: no complete answer within 30 s")
+        return real_get(self, path, params, **kw)
+
+    monkeypatch.setattr(TempoSource, "_get", failing)
+    with serve(rec) as (host, _):
+        df = traces.load(f"tempo+http://{host}?{Q}&metrics=1", correct_clocks=False)
+    (read,) = df.attrs["tempo_reads"]
+    assert read.traces_fetched == rec.meta["traces"] and read.partial
+    warned = {f["code"]: f["message"] for f in read.findings() if f["severity"] == "warning"}
+    assert "no complete answer within 30 s" in warned["tempo_fleet_metrics_partial"]

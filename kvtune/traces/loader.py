@@ -20,6 +20,7 @@ from kvtune.errors import TraceFormatError, TraceSourceError
 from kvtune.traces import otlp_json
 from kvtune.traces.columns import Skipped, SpanRows
 from kvtune.traces.cursor import Cursor, open_cursor
+from kvtune.traces.http import redact
 from kvtune.traces.tempo import (HTTP_PARTIAL, MAX_NOTES, MAX_TRACE_BODY_BYTES, SCHEMES, TempoRead,
                                  TempoSearch, TempoSource, _iso, one_sided_transfers)
 
@@ -357,7 +358,7 @@ class _Reader:
         start, end, range_from = src.time_range()
         cur: Cursor | None = None
         if src.cursor is not None:
-            cur = open_cursor(src.cursor, url=src.base_url, query=src.query, start_s=start,
+            cur = open_cursor(src.cursor, url=redact(src.base_url), query=src.query, start_s=start,
                               end_s=end, page_s=src.page_s, range_from=range_from,
                               fixed_range=src.start_s is not None and src.end_s is not None)
             start, end = cur.start_s, cur.end_s

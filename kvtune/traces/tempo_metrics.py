@@ -66,8 +66,8 @@ class MetricsAnswer:
 def query_range(source: TempoSource, query: str, start_s: int, end_s: int) -> MetricsAnswer:
     """The totals of a TraceQL metrics ``query`` over ``start_s .. end_s`` (see the module doc).
 
-    A piece the server refuses or fails is recorded in ``missing``; an answer that is not a
-    metrics answer raises :class:`TraceSourceError` naming the URL."""
+    A piece the server refuses, fails, answers past the deadline or with something that is not a
+    metrics answer is recorded in ``missing`` (naming the URL), and the next piece is asked."""
     totals: dict[tuple[tuple[str, str], ...], float] = {}
     missing: list[str] = []
     requests = 0
@@ -76,14 +76,18 @@ def query_range(source: TempoSource, query: str, start_s: int, end_s: int) -> Me
         step = max(1, math.ceil((hi - lo) / POINTS_PER_WINDOW))
         params = {"q": query, "start": lo, "end": hi, "step": f"{step}s"}
         url = f"{source.base_url}/api/metrics/query_range?{urllib.parse.urlencode(params)}"
-        status, body = source._get("/api/metrics/query_range", params,
-                                   max_bytes=MAX_METRICS_BODY_BYTES)
         requests += 1
-        if status not in (200, HTTP_PARTIAL):
-            missing.append(f"{_iso(lo)} .. {_iso(hi)}: HTTP {status}: "
-                           f"{body[:200].decode('utf-8', 'replace').strip()}")
+        try:
+            status, body = source._get("/api/metrics/query_range", params,
+                                       max_bytes=MAX_METRICS_BODY_BYTES)
+            if status not in (200, HTTP_PARTIAL):
+                missing.append(f"{_iso(lo)} .. {_iso(hi)}: HTTP {status}: "
+                               f"{body[:200].decode('utf-8', 'replace').strip()}")
+                continue
+            series, note = _answer(body, url)
+        except TraceSourceError as exc:  # unreachable, past the deadline, not a metrics answer
+            missing.append(f"{_iso(lo)} .. {_iso(hi)}: {exc}"[:500])
             continue
-        series, note = _answer(body, url)
         if status == HTTP_PARTIAL:
             note = "; ".join(x for x in (note, "HTTP 206 (partial content)") if x)
         if note:
