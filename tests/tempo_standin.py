@@ -64,10 +64,31 @@ class StandInState:
     cut_body_at: int | None = None
     """Send only this many bytes of each trace body (Content-Length says the whole): IncompleteRead."""
     search_override: bytes | None = None
+    fail_search_from_s: int | None = None
+    """Answer HTTP 503 to a ranged search starting at or after this unix second (a Tempo that
+    fails part way through a long read)."""
+    search_metrics: dict[str, Any] | None = None
+    """The ``metrics`` of every ranged search answer (default: the recorded ones)."""
+    search_status: int = 200
+    """Status of every ranged search answer (206: Tempo's partial content)."""
+    partial_trace_message: str | None = None
+    """Answer every trace as Tempo answers one over its size limit: ``"status": "PARTIAL"`` and
+    this message beside the trace."""
+    trace_status: int = 200
+    """Status of every trace answer (206: Tempo's partial content)."""
+    match_before_s: int = 0
+    """Also answer traces that started up to this many seconds before a search's start (a trace
+    still running when the window opens, as Tempo matches a trace whose spans overlap it)."""
+    metrics_status: int = 200
+    metrics_jobs: tuple[int, int] | None = None
+    """(completed, total) jobs in every metrics answer (default: the recorded ones)."""
 
     def search(self, q: dict[str, list[str]]) -> tuple[int, bytes]:
         if self.search_override is not None:
             return 200, self.search_override
+        if (self.fail_search_from_s is not None and "start" in q
+                and int(q["start"][0]) >= self.fail_search_from_s):
+            return 503, b"the querier is unavailable (stand-in)"
         limit = int(q.get("limit", ["20"])[0])
         if limit > self.max_limit:
             msg = re.sub(r"limit \d+ exceeds max limit \d+", f"limit {limit} exceeds max limit "
@@ -85,11 +106,14 @@ class StandInState:
         hits = []
         for t in self.rec.search_range.get("traces", []):
             t_s = (int(t["startTimeUnixNano"]) + self.shift_ns) / 1e9
-            if start <= t_s < end:
-                hits.append(t)
+            if start - self.match_before_s <= t_s < end:
+                # as the moved recording: its start time moved with it
+                hits.append({**t, "startTimeUnixNano": str(int(t["startTimeUnixNano"])
+                                                           + self.shift_ns)})
         hits.sort(key=lambda t: -int(t["startTimeUnixNano"]))
-        doc = {"traces": hits[:limit], "metrics": self.rec.search_range.get("metrics", {})}
-        return 200, json.dumps(doc).encode()
+        doc = {"traces": hits[:limit], "metrics": self.rec.search_range.get("metrics", {})
+               if self.search_metrics is None else self.search_metrics}
+        return self.search_status, json.dumps(doc).encode()
 
 
 def _go_duration(seconds: int) -> str:
@@ -112,14 +136,24 @@ class _Handler(BaseHTTPRequestHandler):
             body = st.rec.traces[m.group(1)]
             if st.cut_body_at is not None:
                 return self._send(200, body, cut=st.cut_body_at)
-            return self._send(200, body)
+            if st.partial_trace_message is not None:
+                body = json.dumps({**json.loads(body), "status": "PARTIAL",
+                                   "message": st.partial_trace_message}).encode()
+            return self._send(st.trace_status, body)
         if parts.path == "/api/metrics/query_range" and q.get("q", [""])[0] in st.rec.metrics:
-            return self._send(200, json.dumps(st.rec.metrics[q["q"][0]]).encode())
+            if st.metrics_status != 200:
+                return self._send(st.metrics_status, b"metrics unavailable (stand-in)")
+            answer = dict(st.rec.metrics[q["q"][0]])
+            if st.metrics_jobs is not None:
+                answer["metrics"] = {"completedJobs": st.metrics_jobs[0],
+                                     "totalJobs": st.metrics_jobs[1]}
+            return self._send(200, json.dumps(answer).encode())
         return self._send(404, b"trace not found")
 
     def _send(self, status: int, body: bytes, cut: int | None = None) -> None:
         self.send_response(status)
-        self.send_header("Content-Type", "application/json" if status == 200 else "text/plain")
+        self.send_header("Content-Type", "application/json" if status in (200, 206)
+                         else "text/plain")
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
         self.wfile.write(body if cut is None else body[:cut])

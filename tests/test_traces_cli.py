@@ -55,3 +55,29 @@ def test_register_sets_run() -> None:
     traces_cli.register(parser.add_subparsers(dest="command"))
     args = parser.parse_args(["traces", "summary", "x"])
     assert args.func is traces_cli.run
+
+
+def test_cli_fleet_parses_and_calls_fleet_summary(monkeypatch, capsys) -> None:
+    from kvtune.traces.tempo_metrics import FleetMetrics
+
+    calls = []
+
+    def fake(source):
+        calls.append(source)
+        return FleetMetrics(0, 86400, {"hit": 3}, {}, {}, requests=24,
+                            missing=("reuse: HTTP 404",))
+
+    monkeypatch.setattr(traces_cli, "fleet_summary", fake)
+    assert cli.main(["traces", "fleet", "tempo+http://t:3200?since=1d"]) == 0
+    assert calls == ["tempo+http://t:3200?since=1d"]
+    out, err = capsys.readouterr()
+    assert "{'hit': 3}" in out and "tempo_fleet_metrics_partial" in err and "HTTP 404" in err
+
+
+def test_cli_fleet_against_the_stand_in_fetches_no_trace(capsys) -> None:
+    from tempo_standin import serve
+
+    with serve() as (host, state):
+        assert cli.main(["traces", "fleet", f"tempo+http://{host}?since=1h"]) == 0
+    assert {p for p, _ in state.requests} == {"/api/metrics/query_range"}
+    assert "reuse decisions" in capsys.readouterr().out

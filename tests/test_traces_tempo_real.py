@@ -317,7 +317,7 @@ def test_tempo_source_reads_every_trace_without_a_range(real_tempo):
                              correct_clocks=False)
     (read,) = from_tempo.attrs["tempo_reads"]
     assert read.search.complete and read.search.range_from.startswith("default")
-    assert len(read.search.trace_ids) == len(trace_ids(docs)) == from_tempo["trace_id"].nunique()
+    assert read.search.n_found == len(trace_ids(docs)) == from_tempo["trace_id"].nunique()
     assert len(from_tempo) == len(from_files) == span_count(docs)
     # the same spans (as a multiset: span ids repeat where kvtune derives contexts)
     key = ["trace_id", "span_id", "name", "start_ns", "end_ns"]
@@ -330,6 +330,31 @@ def test_tempo_source_reads_every_trace_without_a_range(real_tempo):
     (read_small,) = small.attrs["tempo_reads"]
     assert read_small.search.requests > 1
     assert small["trace_id"].nunique() == len(trace_ids(docs)) or read_small.search.cut_short
+
+
+def test_a_paged_read_with_a_cursor_and_the_fleet_metrics(real_tempo, tmp_path):
+    """On the real server: one-minute pages with a cursor give the one-shot read's spans (a trace
+    overlapping two pages is read once), a second read resumes everything from the spool, and
+    Tempo's metrics count the reuse decisions the spans hold."""
+    tempo, docs, files = real_tempo
+    host = f"127.0.0.1:{tempo.ports['http']}"
+    newest = max(int(sp["endTimeUnixNano"]) for d in docs for sp in _spans_of(d)) // 10**9
+    start, end = (newest // 60 - 59) * 60, (newest // 60 + 1) * 60
+    base = f"tempo+http://{host}?q=%7B%7D&start={start}&end={end}"
+    key = ["trace_id", "span_id", "name", "start_ns", "end_ns"]
+    one_shot = traces.load(base, correct_clocks=False)
+    cur = tmp_path / "c.json"
+    paged = traces.load(f"{base}&page=1m&cursor={cur}&metrics=1", correct_clocks=False)
+    again = traces.load(f"{base}&page=1m&cursor={cur}", correct_clocks=False)
+    for df in (paged, again):
+        a = one_shot[key].astype(str).sort_values(key).reset_index(drop=True)
+        b = df[key].astype(str).sort_values(key).reset_index(drop=True)
+        assert a.equals(b), a.compare(b).head()
+    (read,) = paged.attrs["tempo_reads"]
+    assert read.pages == 60 and read.fleet is not None and read.fleet.complete, read.findings()
+    reuse = paged[paged["name"] == sc.SpanName.REUSE_DECISION.value]
+    assert read.fleet.reuse_outcomes == reuse[sc.REUSE_OUTCOME].value_counts().to_dict()
+    assert again.attrs["tempo_reads"][0].pages_resumed == 60
 
 
 def test_every_panel_query_returns_rows_and_the_evaluator_agrees(real_tempo):

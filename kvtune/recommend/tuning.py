@@ -314,5 +314,7 @@ def recommend(spans: pd.DataFrame, *, geometry: Any = None,
     }
     if sample is not None:
         extra["sample"] = sample.as_dict()
+    if traced.attrs.get("tempo_reads"):  # the source section: what each Tempo read got and missed
+        extra["tempo_reads"] = [r.as_dict() for r in traced.attrs["tempo_reads"]]
     return Tuning(threshold=thr, ttl=ttl, mode=mode, findings=tuple(findings), fit=fit,
                   source=source, span_count=int(len(traced)), extra=extra)

@@ -1,9 +1,12 @@
-"""``kvtune traces summary SOURCE...``: span counts by service and name, and clock offsets."""
+"""``kvtune traces summary SOURCE...``: span counts by service and name, and clock offsets.
+``kvtune traces fleet TEMPO_URL``: the range's totals from Tempo's metrics, no trace fetched."""
 from __future__ import annotations
 
 import argparse
+import sys
 
 from kvtune.traces.summary import summarize
+from kvtune.traces.tempo_metrics import fleet_summary
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -16,6 +19,18 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "tempo+http://HOST:PORT?q=<TraceQL>[&since=1h | &start=&end=][&limit=]")
     p.add_argument("--skip-bad", action="store_true", help="skip malformed records (reported)")
     p.set_defaults(func=run)
+    f = sub.add_parser("fleet", help="a Tempo range's reuse/retention outcomes and kv.rdma bytes "
+                                     "from Tempo's TraceQL metrics (no trace fetched)")
+    f.add_argument("source", help="tempo+http://HOST:PORT[?since=1d | ?start=&end=]")
+    f.set_defaults(func=run_fleet)
+
+
+def run_fleet(args: argparse.Namespace) -> int:
+    fleet = fleet_summary(args.source)
+    print(fleet.summary())
+    for finding in fleet.findings()[1:]:
+        print(f"[{finding['severity']}] {finding['code']}: {finding['message']}", file=sys.stderr)
+    return 0
 
 
 def run(args: argparse.Namespace) -> int:

@@ -26,6 +26,8 @@ MAX_REDIRECTS = 5
 """Same-origin redirects followed for one request before it is refused."""
 ERROR_BODY_BYTES = 64 * 1024
 """Bytes of a non-200 answer's body kept (the caller quotes the start of it)."""
+FULL_BODY_STATUSES = (200, 206)
+"""Statuses whose body is the answer, read up to the caller's cap (206: Tempo's partial answer)."""
 _READ_BYTES = 1 << 16
 
 
@@ -48,7 +50,7 @@ def origin(url: str) -> tuple[str, str, int]:
 def get(url: str, *, headers: Mapping[str, str], timeout_s: float, max_bytes: int) -> Answer:
     """GET ``url`` within ``timeout_s`` seconds in all (redirects included).
 
-    A 200 answer's body longer than ``max_bytes`` raises; other statuses keep at most
+    A 200 (or 206) answer's body longer than ``max_bytes`` raises; other statuses keep at most
     :data:`ERROR_BODY_BYTES`. Raises :class:`TraceSourceError` naming the URL when the server is
     unreachable, answers past the deadline, cuts its answer off, or redirects to another origin.
     """
@@ -106,7 +108,7 @@ def _get_once(url: str, headers: Mapping[str, str], deadline: float, timeout_s: 
             location = resp.getheader("Location")
             resp.read(ERROR_BODY_BYTES)
             return Answer(resp.status, b"", url), location
-        cap = max_bytes if resp.status == 200 else ERROR_BODY_BYTES
+        cap = max_bytes if resp.status in FULL_BODY_STATUSES else ERROR_BODY_BYTES
         chunks: list[bytes] = []
         got = 0
         while got <= cap:
@@ -119,7 +121,7 @@ def _get_once(url: str, headers: Mapping[str, str], deadline: float, timeout_s: 
         body = b"".join(chunks)
         if expired.is_set():
             raise _late(where, timeout_s)
-        if resp.status == 200:
+        if resp.status in FULL_BODY_STATUSES:
             if len(body) > max_bytes:
                 raise TraceSourceError(f"{where}: answer larger than {max_bytes} bytes; narrow "
                                        f"the query or the range")

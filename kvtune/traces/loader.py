@@ -19,7 +19,10 @@ from tqdm import tqdm
 from kvtune.errors import TraceFormatError, TraceSourceError
 from kvtune.traces import otlp_json
 from kvtune.traces.columns import Skipped, SpanRows
-from kvtune.traces.tempo import SCHEMES, TempoRead, TempoSource, one_sided_transfers
+from kvtune.traces.cursor import Cursor, open_cursor
+from kvtune.traces.http import redact
+from kvtune.traces.tempo import (HTTP_PARTIAL, MAX_NOTES, MAX_TRACE_BODY_BYTES, SCHEMES, TempoRead,
+                                 TempoSearch, TempoSource, _iso, one_sided_transfers)
 
 _logger = logging.getLogger(__name__)
 
@@ -158,8 +161,9 @@ class _Reader:
     read holds one chunk at a time (``kvtune.traces.reduce``)."""
 
     def __init__(self, rows: SpanRows, skip_bad: bool, *,
-                 flush: Callable[[SpanRows], None] | None = None, flush_spans: int = 0) -> None:
-        self.rows, self.skip_bad = rows, skip_bad
+                 flush: Callable[[SpanRows], None] | None = None, flush_spans: int = 0,
+                 progress: bool | None = None) -> None:
+        self.rows, self.skip_bad, self.progress = rows, skip_bad, progress
         self.flush, self.flush_spans = flush, flush_spans
         self.flushed_spans = 0
         """Spans handed to ``flush`` so far."""
@@ -348,42 +352,154 @@ class _Reader:
             self.rows.skipped.append(Skipped(source, None, str(exc)))
 
     def tempo(self, src: TempoSource, bar: tqdm) -> None:
-        found = src.search()
-        first_row, fetched = len(self.rows), 0
-        first_flushed = self.flushed_spans
+        """Reads a Tempo source page by page (``kvtune.traces.tempo``): each page searched, its
+        traces fetched and decoded; with a cursor, each finished page spooled and recorded, and
+        the pages a cursor already finished read back from its spool."""
+        start, end, range_from = src.time_range()
+        cur: Cursor | None = None
+        if src.cursor is not None:
+            cur = open_cursor(src.cursor, url=redact(src.base_url), query=src.query, start_s=start,
+                              end_s=end, page_s=src.page_s, range_from=range_from,
+                              fixed_range=src.start_s is not None and src.end_s is not None)
+            start, end = cur.start_s, cur.end_s
+        pages = src.pages(start, end)
+        searcher = src.searcher()
+        first_row, first_flushed = len(self.rows), self.flushed_spans
+        fetched = found = windows = 0
+        cut: list[str] = []
         partial: list[str] = []
-        for url, body in src.documents(found):
-            src_idx = self.rows.source_index(url)
-            try:
-                self.document(body, url, src_idx, None)
-            except RecursionError:
-                if not self.skip_bad:
-                    raise TraceSourceError(f"{url}: Tempo's answer is nested too deeply to be a "
-                                           f"trace") from None
-                self.rows.skipped.append(Skipped(url, None, "answer nested too deeply"))
-            except TraceFormatError as exc:
-                # the file reader's depth cap (a TraceFormatError naming the field) is, for a
-                # Tempo answer, an answer that cannot be Tempo's: name the URL
-                if "nest" not in str(exc):
-                    raise
-                raise TraceSourceError(f"{url}: Tempo's answer is nested too deeply to be a "
-                                       f"trace ({exc})") from None
-            fetched += 1
-            bar.update(len(body))
-            note = otlp_json.tempo_partial(body)
-            if note is not None:
-                partial.append(f"{url}: {note}"[:500])
+        n_partial = 0
+        failed: list[str] = []
+        done: set[int] = set()
+        prior_requests = 0
+        if cur is not None and cur.done:
+            prior_requests = cur.requests
+            done = set(cur.done)
+            self._spool(cur)
+            fetched = found = cur.traces_written
+            windows, cut = cur.windows, list(cur.cut_short)
+            partial, n_partial = list(cur.partial_answers), cur.partial_answer_count
+        spool = open(cur.spool, "ab") if cur is not None else None  # closed below
+        try:
+            with tqdm(total=len(pages), initial=len(done), unit="page", desc="tempo pages",
+                      disable=None if self.progress is None else not self.progress,
+                      leave=False) as pages_bar:
+                for i, (lo, hi) in enumerate(pages):
+                    if i in done:
+                        continue
+                    spans_before = self.flushed_spans + len(self.rows)
+                    requests_before = searcher.requests
+                    page_partial: list[str] = []
+                    traces = 0
+                    try:
+                        page = searcher.page(lo, hi, range_start=start, range_end=end)
+                        for tid in page.trace_ids:
+                            url, status, body = src.fetch_answer(tid)
+                            self._tempo_answer(url, body)
+                            traces += 1
+                            bar.update(len(body))
+                            note = otlp_json.tempo_partial(body)
+                            if status == HTTP_PARTIAL:
+                                note = "; ".join(x for x in (note, "HTTP 206 (partial content: "
+                                                             "blocks Tempo could not read)") if x)
+                            if note is not None:
+                                page_partial.append(f"{url}: {note}"[:500])
+                            if spool is not None:
+                                spool.write(_one_line(body) + b"\n")
+                    except TraceSourceError as exc:
+                        if spool is not None and cur is not None:
+                            spool.flush()
+                            spool.truncate(cur.spool_bytes)
+                            spool.seek(cur.spool_bytes)
+                        if not src.skip_failed:
+                            if cur is None:
+                                raise
+                            raise TraceSourceError(
+                                f"{exc} [{len(cur.done)} of {len(pages)} page(s) finished and "
+                                f"kept by the cursor {cur.path}: read the same source again to "
+                                f"resume from {_iso(lo)}]") from exc
+                        failed.append(f"{_iso(lo)} .. {_iso(hi)}: {exc}"[:500])
+                        _logger.warning("page %s .. %s left out: %s", _iso(lo), _iso(hi), exc)
+                        pages_bar.update(1)
+                        continue
+                    fetched += traces
+                    found += len(page.trace_ids)
+                    windows += page.windows
+                    cut += page.cut_short
+                    partial += page_partial[:MAX_NOTES]
+                    n_partial += len(page_partial)
+                    if spool is not None and cur is not None:
+                        spool.flush()
+                        os.fsync(spool.fileno())
+                        cur = cur.page_done(
+                            i, spans=self.flushed_spans + len(self.rows) - spans_before,
+                            traces=traces, spool_bytes=spool.tell(),
+                            requests=searcher.requests - requests_before, windows=page.windows,
+                            cut_short=page.cut_short, partial_answers=tuple(page_partial))
+                        cur.save()
+                    pages_bar.update(1)
+                    pages_bar.set_postfix(traces=fetched, refresh=False)
+        finally:
+            if spool is not None:
+                spool.close()
         # a streamed read (chunks flushed) counts one-sided transfers in the store instead
         flushed = self.flushed_spans - first_flushed
-        read = TempoRead(found, traces_fetched=fetched,
+        search = TempoSearch(url=f"{src.base_url}/api/search", query=src.query, start_s=start,
+                             end_s=end, range_from=range_from if cur is None or not done
+                             else f"{range_from} (from the cursor)", limit=searcher.limit,
+                             trace_ids=(), requests=searcher.requests + prior_requests,
+                             windows=windows, cut_short=tuple(cut), traces_found=found)
+        fleet = None
+        if src.fleet_metrics:
+            from kvtune.traces.tempo_metrics import fleet_metrics
+
+            fleet = fleet_metrics(src, start, end)
+        read = TempoRead(search, traces_fetched=fetched,
                          spans_read=flushed + len(self.rows) - (0 if flushed else first_row),
                          one_sided_transfers=one_sided_transfers(self.rows, 0 if flushed
                                                                  else first_row),
-                         partial_answers=tuple(partial))
+                         partial_answers=tuple(partial[:MAX_NOTES]),
+                         partial_answer_count=n_partial, failed_windows=tuple(failed),
+                         pages=len(pages), pages_resumed=len(done),
+                         cursor=None if cur is None else cur.path, fleet=fleet)
         self.rows.tempo_reads.append(read)
         _logger.info("%s", read.summary())
         for f in read.findings()[1:]:
-            _logger.warning("%s", f["message"])
+            if f["severity"] == "warning":
+                _logger.warning("%s", f["message"])
+
+    def _tempo_answer(self, url: str, body: bytes) -> None:
+        """One trace answer from Tempo (or a cursor's spool) decoded into the rows."""
+        src_idx = self.rows.source_index(url)
+        try:
+            self.document(body, url, src_idx, None)
+        except RecursionError:
+            if not self.skip_bad:
+                raise TraceSourceError(f"{url}: Tempo's answer is nested too deeply to be a "
+                                       f"trace") from None
+            self.rows.skipped.append(Skipped(url, None, "answer nested too deeply"))
+        except TraceFormatError as exc:
+            # the file reader's depth cap (a TraceFormatError naming the field) is, for a
+            # Tempo answer, an answer that cannot be Tempo's: name the URL
+            if "nest" not in str(exc):
+                raise
+            raise TraceSourceError(f"{url}: Tempo's answer is nested too deeply to be a "
+                                   f"trace ({exc})") from None
+
+    def _spool(self, cur: Cursor) -> None:
+        """The traces of the pages ``cur`` finished, read back from its spool."""
+        source = str(cur.spool)
+        src_idx = self.rows.source_index(source)
+        with open(cur.spool, "rb") as f:
+            lineno = 0
+            while f.tell() < cur.spool_bytes:
+                line = f.readline(min(MAX_TRACE_BODY_BYTES, cur.spool_bytes - f.tell()) + 1)
+                lineno += 1
+                if not line.endswith(b"\n"):
+                    raise TraceSourceError(f"{source}:{lineno}: the cursor's spool ends inside "
+                                           f"a line; remove {cur.path} to start over")
+                if line.strip():
+                    self.document(line, source, src_idx, lineno)
 
 
 _GZIP_ERRORS = (OSError, EOFError, zlib.error)
@@ -405,6 +521,13 @@ def _read_all(stream: IO[bytes], path: Path, gz: bool) -> tuple[bytes, BaseExcep
             raise TraceSourceError(f"{path}: cannot read: {exc}") from exc
         return b"".join(chunks), exc
     return b"".join(chunks), None
+
+
+def _one_line(body: bytes) -> bytes:
+    """A Tempo answer as one JSON line (re-encoded only when it spans several)."""
+    if b"\n" not in body and b"\r" not in body:
+        return body
+    return msgspec.json.encode(msgspec.json.decode(body))
 
 
 def _reason(field: str, expected: str, got: str) -> str:
@@ -448,7 +571,7 @@ def read_spans(source: SourceArg, *, skip_bad: bool = False, progress: bool | No
     the last (possibly empty) chunk is returned."""
     resolved = resolve(source)
     rows = SpanRows()
-    reader = _Reader(rows, skip_bad, flush=flush, flush_spans=flush_spans)
+    reader = _Reader(rows, skip_bad, flush=flush, flush_spans=flush_spans, progress=progress)
     total = sum(p.stat().st_size for p in resolved if isinstance(p, Path))
     only_files = all(isinstance(p, Path) for p in resolved)
     with tqdm(total=total if only_files else None, unit="B", unit_scale=True, desc="loading spans",

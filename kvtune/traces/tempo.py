@@ -17,6 +17,16 @@ and each half searched again, down to one second; windows longer than Tempo's ma
 duration are split before they are sent (and again if the server answers that a range is too
 long); a ``limit`` over the server's ``max_result_limit`` is lowered to it. What the search did is
 returned as a :class:`TempoSearch` (range, requests, traces found, why it was cut short, if it was).
+
+A long range is read in *pages* of ``page`` seconds (URL ``page=1h``; default
+:data:`DEFAULT_PAGE_S`), each searched and fetched before the next, with a progress bar. A trace
+belongs to the page its start time falls in (Tempo's search answer gives ``startTimeUnixNano``), so
+traces that cross a page boundary are read once. With ``cursor=FILE`` every finished page is
+appended to a spool file beside the cursor and recorded in it (``kvtune.traces.cursor``): a read
+interrupted by Ctrl-C or a Tempo error resumes at the first unfinished page. With
+``skip_failed=1`` a page whose search or fetch fails is left out, and the read report says which
+(``tempo_windows_failed``), instead of the read stopping. With ``metrics=1`` the read also asks
+Tempo's TraceQL metrics for aggregates over the whole range (``kvtune.traces.tempo_metrics``).
 """
 from __future__ import annotations
 
@@ -50,15 +60,21 @@ window is halved until it is accepted."""
 MIN_WINDOW_S = 1
 """Tempo's search range is in whole seconds: a one-second window cannot be split further."""
 MAX_SEARCH_REQUESTS = 2000
-"""Search requests one read may send before it stops, saying so (splitting is bounded)."""
+"""Search requests one page may send before the read stops, saying so (splitting is bounded)."""
 DEFAULT_TIMEOUT_S = 30.0
 API_VERSIONS = ("auto", "v1", "v2")
 MAX_SEARCH_BODY_BYTES = 64 * 2**20
 """Largest search answer read (64 MiB: over 100 000 traces' summaries)."""
 MAX_TRACE_BODY_BYTES = 256 * 2**20
 """Largest trace answer read (256 MiB; Tempo's own ``max_bytes_per_trace`` default is 5 MB)."""
+DEFAULT_PAGE_S = 3600
+"""Seconds of the range searched and fetched as one page (the cursor's unit of resumption). An
+hour of a 16-pair fleet at 10 requests/s per pair is 576,000 traces: at ``limit=1000`` its search
+takes 2,047 requests, more than a page may send (:data:`MAX_SEARCH_REQUESTS`); such a fleet reads
+with ``page=10m`` or a higher ``limit`` (``docs/fleet-scale.md``)."""
 MAX_UNIX_S = 2**63 // 10**9
 """Latest time a range may name (Tempo keeps nanoseconds in int64)."""
+_FLAGS = {"1": True, "true": True, "yes": True, "0": False, "false": False, "no": False, "": False}
 _DURATION_UNITS_S = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
 _DURATION_RE = re.compile(r"(\d+(?:\.\d+)?)([smhdw])")
 _RANGE_TOO_LONG = re.compile(r"range specified by start and end exceeds "
@@ -121,10 +137,16 @@ class TempoSearch:
     """Windows whose answer was kept (after splitting)."""
     cut_short: tuple[str, ...] = ()
     """Why traces in the range may have been left out (empty: the search covered it all)."""
+    traces_found: int | None = None
+    """Traces found when ``trace_ids`` is not kept (a paged read); None: ``len(trace_ids)``."""
 
     @property
     def complete(self) -> bool:
         return not self.cut_short
+
+    @property
+    def n_found(self) -> int:
+        return len(self.trace_ids) if self.traces_found is None else self.traces_found
 
 
 @dataclass(frozen=True)
@@ -139,22 +161,47 @@ class TempoRead:
     or the reverse: a sign that Tempo answered part of the traces (still ingesting, blocks missed)."""
     partial_answers: tuple[str, ...] = ()
     """``URL: message`` of each trace Tempo itself answered as partial (``"status": "PARTIAL"``:
-    the trace exceeded its ``max_bytes_per_trace``)."""
+    the trace exceeded its ``max_bytes_per_trace``; HTTP 206: blocks it could not read). At most
+    :data:`MAX_NOTES` are kept; ``partial_answer_count`` counts them all."""
+    partial_answer_count: int | None = None
+    failed_windows: tuple[str, ...] = ()
+    """``start .. end: error`` of each page left out because its search or a fetch failed
+    (``skip_failed=1``)."""
+    pages: int = 1
+    """Pages the range was read in."""
+    pages_resumed: int = 0
+    """Pages a cursor had already finished: their spans were read back from its spool file."""
+    cursor: str | None = None
+    """The cursor file, when the read kept one."""
+    fleet: Any = None
+    """``kvtune.traces.tempo_metrics.FleetMetrics``: Tempo's own aggregates over the whole range
+    (``metrics=1``), or None."""
+
+    @property
+    def n_partial_answers(self) -> int:
+        return (len(self.partial_answers) if self.partial_answer_count is None
+                else self.partial_answer_count)
 
     @property
     def partial(self) -> bool:
-        return bool(self.search.cut_short) or self.one_sided_transfers > 0 or bool(
-            self.partial_answers)
+        return (bool(self.search.cut_short) or self.one_sided_transfers > 0
+                or bool(self.n_partial_answers) or bool(self.failed_windows)
+                or (self.fleet is not None and not self.fleet.complete))
 
     def summary(self) -> str:
         s = self.search
+        paged = (f", {self.pages} page(s)" + (f", {self.pages_resumed} resumed from "
+                                              f"{self.cursor}" if self.pages_resumed else "")
+                 if self.pages > 1 or self.pages_resumed else "")
         return (f"tempo {s.url}: searched {_iso(s.start_s)} .. {_iso(s.end_s)} ({s.range_from}; "
-                f"q={s.query}, limit {s.limit}, {s.requests} request(s), {s.windows} window(s)): "
-                f"{len(s.trace_ids)} trace(s) found, {self.traces_fetched} fetched, "
+                f"q={s.query}, limit {s.limit}, {s.requests} request(s), {s.windows} window(s)"
+                f"{paged}): {s.n_found} trace(s) found, {self.traces_fetched} fetched, "
                 f"{self.spans_read} span(s) read")
 
     def findings(self) -> list[dict[str, Any]]:
-        """Findings (``code``, ``severity``, ``message``, ``evidence``) for the recommendation."""
+        """Findings (``code``, ``severity``, ``message``, ``evidence``) for the recommendation:
+        the first is the read itself (info); every way the answer may be partial is a warning
+        that names what is missing."""
         s = self.search
         evidence = self.as_dict()
         out = [{"code": "tempo_read", "severity": "info", "message": self.summary(),
@@ -162,13 +209,25 @@ class TempoRead:
         if s.cut_short:
             out.append({"code": "tempo_search_cut_short", "severity": "warning",
                         "message": f"the Tempo search was cut short, traces in the range may be "
-                                   f"missing: {'; '.join(s.cut_short)}", "evidence": evidence})
-        if self.partial_answers:
+                                   f"missing: {'; '.join(s.cut_short[:MAX_NOTES])}"
+                                   + (" ..." if len(s.cut_short) > MAX_NOTES else ""),
+                        "evidence": evidence})
+        if self.failed_windows:
+            out.append({"code": "tempo_windows_failed", "severity": "warning",
+                        "message": f"{len(self.failed_windows)} of {self.pages} page(s) of the "
+                                   f"range failed and their traces are missing: "
+                                   f"{'; '.join(self.failed_windows[:MAX_NOTES])}"
+                                   + (" ..." if len(self.failed_windows) > MAX_NOTES else "")
+                                   + (f" (run again with cursor={self.cursor} to read only them)"
+                                      if self.cursor else ""),
+                        "evidence": evidence})
+        if self.n_partial_answers:
             out.append({"code": "tempo_partial_answers", "severity": "warning",
-                        "message": f"Tempo answered {len(self.partial_answers)} trace(s) as "
-                                   f"partial (their spans beyond Tempo's size limit are missing): "
+                        "message": f"Tempo answered {self.n_partial_answers} trace(s) as "
+                                   f"partial (their spans beyond Tempo's size limit, or in blocks "
+                                   f"it could not read, are missing): "
                                    f"{'; '.join(self.partial_answers[:3])}"
-                                   + (" ..." if len(self.partial_answers) > 3 else ""),
+                                   + (" ..." if self.n_partial_answers > 3 else ""),
                         "evidence": evidence})
         if self.one_sided_transfers:
             out.append({"code": "tempo_partial_traces", "severity": "warning",
@@ -177,16 +236,26 @@ class TempoRead:
                                    f"reverse): Tempo may have answered part of the traces (still "
                                    f"ingesting, or the range cuts through them), or these "
                                    f"transfers never completed", "evidence": evidence})
+        if self.fleet is not None:
+            out += self.fleet.findings()
         return out
 
     def as_dict(self) -> dict[str, Any]:
         s = self.search
         return {"url": s.url, "query": s.query, "start_s": s.start_s, "end_s": s.end_s,
                 "range_from": s.range_from, "limit": s.limit, "requests": s.requests,
-                "windows": s.windows, "traces_found": len(s.trace_ids),
+                "windows": s.windows, "traces_found": s.n_found,
                 "traces_fetched": self.traces_fetched, "spans_read": self.spans_read,
                 "one_sided_transfers": self.one_sided_transfers, "cut_short": list(s.cut_short),
-                "partial_answers": list(self.partial_answers)}
+                "partial_answers": list(self.partial_answers),
+                "partial_answer_count": self.n_partial_answers,
+                "failed_windows": list(self.failed_windows), "pages": self.pages,
+                "pages_resumed": self.pages_resumed, "cursor": self.cursor,
+                "fleet_metrics": None if self.fleet is None else self.fleet.as_dict()}
+
+
+MAX_NOTES = 20
+"""Notes of one kind (cut-short windows, failed pages, partial traces) kept in a read report."""
 
 
 def _iso(unix_s: int) -> str:
@@ -210,6 +279,17 @@ class TempoSource:
     timeout_s: float = DEFAULT_TIMEOUT_S
     headers: Mapping[str, str] = field(default_factory=dict)
     since_s: int | None = None
+    page_s: int = DEFAULT_PAGE_S
+    """Seconds of the range read as one page (and recorded as one step of a cursor)."""
+    cursor: str | None = None
+    """A JSON state file (``kvtune.traces.cursor``): finished pages are kept beside it and a read
+    that stopped resumes at the first unfinished page."""
+    skip_failed: bool = False
+    """Leave out a page whose search or a fetch fails (the read report says which) instead of
+    stopping the read."""
+    fleet_metrics: bool = False
+    """Also ask Tempo's TraceQL metrics for aggregates over the whole range
+    (``kvtune.traces.tempo_metrics``)."""
 
     def __post_init__(self) -> None:
         where = f"TempoSource({self.base_url!r})"
@@ -235,6 +315,12 @@ class TempoSource:
         if not (isinstance(self.timeout_s, (int, float)) and math.isfinite(self.timeout_s)
                 and self.timeout_s > 0):
             raise TraceSourceError(f"{where}.timeout_s: expected seconds > 0, got {self.timeout_s!r}")
+        if (isinstance(self.page_s, bool) or not isinstance(self.page_s, int)
+                or not MIN_WINDOW_S <= self.page_s <= MAX_UNIX_S):
+            raise TraceSourceError(f"{where}.page_s: expected whole seconds >= {MIN_WINDOW_S}, "
+                                   f"got {self.page_s!r}")
+        if self.cursor is not None and (not isinstance(self.cursor, str) or not self.cursor):
+            raise TraceSourceError(f"{where}.cursor: expected a file path, got {self.cursor!r}")
 
     @classmethod
     def from_url(cls, url: str) -> TempoSource:
@@ -243,7 +329,8 @@ class TempoSource:
         if parts.scheme not in SCHEMES:
             raise TraceSourceError(f"{url}: expected a tempo+http:// or tempo+https:// URL")
         params = urllib.parse.parse_qs(parts.query)
-        known = {"q", "start", "end", "since", "limit", "api"}
+        known = {"q", "start", "end", "since", "limit", "api", "page", "cursor", "skip_failed",
+                 "metrics"}
         unknown = set(params) - known
         if unknown:
             _logger.warning("%s: ignoring unknown query parameter(s) %s", url, sorted(unknown))
@@ -272,11 +359,23 @@ class TempoSource:
         if limit is not None and limit < 1:
             raise TraceSourceError(f"{url}: query parameter 'limit': expected a whole number of "
                                    f"traces >= 1, got {one('limit')!r}")
+        def flag(name: str) -> bool:
+            val = (one(name) or "0").strip().lower()
+            if val not in _FLAGS:
+                raise TraceSourceError(f"{url}: query parameter {name!r}: expected 1 or 0 "
+                                       f"(true/false), got {one(name)!r}")
+            return _FLAGS[val]
+
+        page = one("page")
         try:
             return cls(base_url=base, query=one("q") or DEFAULT_QUERY,
                        start_s=as_int("start", "unix seconds"), end_s=as_int("end", "unix seconds"),
                        limit=DEFAULT_LIMIT if limit is None else limit, api=one("api") or "auto",
-                       since_s=None if not since else parse_since(since, where=f"{url}: since"))
+                       since_s=None if not since else parse_since(since, where=f"{url}: since"),
+                       page_s=DEFAULT_PAGE_S if not page else parse_since(page,
+                                                                          where=f"{url}: page"),
+                       cursor=one("cursor") or None, skip_failed=flag("skip_failed"),
+                       fleet_metrics=flag("metrics"))
         except TraceSourceError as exc:
             msg = str(exc)
             raise TraceSourceError(msg if msg.startswith(url) else f"{url}: {msg}") from None
@@ -316,71 +415,49 @@ class TempoSource:
         status, body = self._get("/api/search", params, max_bytes=MAX_SEARCH_BODY_BYTES)
         return status, body, f"{self.base_url}/api/search?{urllib.parse.urlencode(params)}"
 
+    def pages(self, start: int, end: int) -> list[tuple[int, int]]:
+        """The range ``start .. end`` cut into pages of :attr:`page_s` seconds, in order."""
+        return [(lo, min(lo + self.page_s, end)) for lo in range(start, end, self.page_s)]
+
+    def searcher(self) -> PageSearcher:
+        """A :class:`PageSearcher` for this source (it keeps the limit and window length learnt
+        from the server's answers, and the request count, from one page to the next)."""
+        return PageSearcher(self)
+
     def search(self, *, now_s: float | None = None) -> TempoSearch:
         """Every trace id the query matches in the range, splitting windows that hit the limit."""
         start, end, range_from = self.time_range(now_s)
-        where = f"{self.base_url}/api/search"
-        max_window = MAX_WINDOW_S
-        limit = self.limit
-        pending = [(s, min(s + max_window, end)) for s in range(start, end, max_window)][::-1]
+        searcher = self.searcher()
         found: dict[str, None] = {}
-        requests = windows = 0
+        windows = 0
         cut: list[str] = []
-        while pending:
-            if requests >= MAX_SEARCH_REQUESTS:
-                cut.append(f"stopped after {requests} search requests with {len(pending)} "
-                           f"window(s) unsearched from {_iso(pending[-1][0])}; raise limit= or "
-                           f"narrow the range")
-                break
-            lo, hi = pending.pop()
-            status, body, url = self._search_once(lo, hi, limit)
-            requests += 1
-            if status == 400:
-                text = body[:2000].decode("utf-8", "replace")
-                too_long = _RANGE_TOO_LONG.search(text)
-                too_many = _LIMIT_TOO_HIGH.search(text)
-                if too_many and 1 <= int(too_many.group(1)) < limit:
-                    _logger.info("%s: server's max_result_limit is %s; lowering limit from %d",
-                                 where, too_many.group(1), limit)
-                    limit = int(too_many.group(1))
-                    pending.append((lo, hi))
-                    continue
-                if too_long and hi - lo > MIN_WINDOW_S:
-                    server_max = _go_duration_s(too_long.group(1))
-                    max_window = min(max_window, server_max or (hi - lo) // 2, (hi - lo) // 2)
-                    max_window = max(max_window, MIN_WINDOW_S)
-                    pending += [(s, min(s + max_window, hi)) for s in range(lo, hi, max_window)][::-1]
-                    continue
-            if status != 200:
-                raise TraceSourceError(f"{url}: HTTP {status}: {body[:300]!r}")
-            ids, partial_jobs = _search_answer(body, url)
-            if len(ids) >= limit:
-                if hi - lo > MIN_WINDOW_S:
-                    mid = lo + (hi - lo) // 2
-                    pending += [(mid, hi), (lo, mid)]
-                    continue
-                cut.append(f"{len(ids)} traces (the limit) in the one-second window starting "
-                           f"{_iso(lo)}: raise limit=")
-            if partial_jobs:
-                cut.append(f"{partial_jobs} in {_iso(lo)} .. {_iso(hi)}")
-            windows += 1
-            for tid in ids:
+        for lo, hi in self.pages(start, end):
+            page = searcher.page(lo, hi, range_start=start, range_end=end)
+            windows += page.windows
+            cut += page.cut_short
+            for tid in page.trace_ids:
                 found.setdefault(tid, None)
-        result = TempoSearch(url=where, query=self.query, start_s=start, end_s=end,
-                             range_from=range_from, limit=limit, trace_ids=tuple(found),
-                             requests=requests, windows=windows, cut_short=tuple(cut))
-        return result
+        return TempoSearch(url=f"{self.base_url}/api/search", query=self.query, start_s=start,
+                           end_s=end, range_from=range_from, limit=searcher.limit,
+                           trace_ids=tuple(found), requests=searcher.requests, windows=windows,
+                           cut_short=tuple(cut))
 
     def fetch(self, trace_id: str) -> tuple[str, bytes]:
         """(URL, body) of one trace; the body is ``{"batches": ..}`` or ``{"trace": ..}``."""
+        url, _, body = self.fetch_answer(trace_id)
+        return url, body
+
+    def fetch_answer(self, trace_id: str) -> tuple[str, int, bytes]:
+        """(URL, HTTP status, body) of one trace: 200, or 206 when Tempo answered with the part
+        of the trace it could read (blocks or queriers that failed)."""
         quoted = urllib.parse.quote(trace_id, safe="")
         paths = {"v1": [f"/api/traces/{quoted}"], "v2": [f"/api/v2/traces/{quoted}"],
                  "auto": [f"/api/v2/traces/{quoted}", f"/api/traces/{quoted}"]}[self.api]
         status, body = 0, b""
         for path in paths:
             status, body = self._get(path)
-            if status == 200:
-                return self.base_url + path, body
+            if status in (200, HTTP_PARTIAL):
+                return self.base_url + path, status, body
             if status != 404:
                 break
         raise TraceSourceError(f"{self.base_url}{paths[-1]}: HTTP {status}: {body[:300]!r}")
@@ -389,6 +466,93 @@ class TempoSource:
         """(URL, body) for every trace the search (``found``, else a new one) finds."""
         for tid in (found or self.search()).trace_ids:
             yield self.fetch(tid)
+
+
+@dataclass(frozen=True)
+class PageSearch:
+    """What the search of one page found: the trace ids it owns (their start falls in the page),
+    the windows kept, and why it may be cut short."""
+
+    trace_ids: tuple[str, ...]
+    windows: int
+    cut_short: tuple[str, ...]
+
+
+class PageSearcher:
+    """Searches pages of one read in turn: splits a window at the limit (down to one second) and
+    at the server's longest range, lowers the limit to the server's maximum, and stops after
+    :data:`MAX_SEARCH_REQUESTS` requests for one page."""
+
+    def __init__(self, source: TempoSource) -> None:
+        self.source = source
+        self.limit = source.limit
+        self.max_window = MAX_WINDOW_S
+        self.requests = 0
+
+    def page(self, lo: int, hi: int, *, range_start: int, range_end: int) -> PageSearch:
+        """The traces whose start falls in ``lo .. hi`` (a trace starting before ``range_start``
+        belongs to the first page, one starting at or after ``range_end`` to the last)."""
+        src = self.source
+        where = f"{src.base_url}/api/search"
+        pending = [(s, min(s + self.max_window, hi)) for s in range(lo, hi, self.max_window)][::-1]
+        found: dict[str, None] = {}
+        windows = 0
+        cut: list[str] = []
+        first_request = self.requests
+        while pending:
+            if self.requests - first_request >= MAX_SEARCH_REQUESTS:
+                cut.append(f"stopped after {self.requests - first_request} search requests for "
+                           f"one page with {len(pending)} "
+                           f"window(s) unsearched from {_iso(pending[-1][0])}; raise limit= or "
+                           f"use shorter pages (page=)")
+                break
+            wlo, whi = pending.pop()
+            status, body, url = src._search_once(wlo, whi, self.limit)
+            self.requests += 1
+            if status == 400:
+                text = body[:2000].decode("utf-8", "replace")
+                too_long = _RANGE_TOO_LONG.search(text)
+                too_many = _LIMIT_TOO_HIGH.search(text)
+                if too_many and 1 <= int(too_many.group(1)) < self.limit:
+                    _logger.info("%s: server's max_result_limit is %s; lowering limit from %d",
+                                 where, too_many.group(1), self.limit)
+                    self.limit = int(too_many.group(1))
+                    pending.append((wlo, whi))
+                    continue
+                if too_long and whi - wlo > MIN_WINDOW_S:
+                    server_max = _go_duration_s(too_long.group(1))
+                    mw = min(self.max_window, server_max or (whi - wlo) // 2, (whi - wlo) // 2)
+                    self.max_window = max(mw, MIN_WINDOW_S)
+                    pending += [(s, min(s + self.max_window, whi))
+                                for s in range(wlo, whi, self.max_window)][::-1]
+                    continue
+            if status not in (200, HTTP_PARTIAL):
+                raise TraceSourceError(f"{url}: HTTP {status}: {body[:300]!r}")
+            hits, partial_jobs = _search_answer(body, url)
+            if len(hits) >= self.limit:
+                if whi - wlo > MIN_WINDOW_S:
+                    mid = wlo + (whi - wlo) // 2
+                    pending += [(mid, whi), (wlo, mid)]
+                    continue
+                cut.append(f"{len(hits)} traces (the limit) in the one-second window starting "
+                           f"{_iso(wlo)}: raise limit=")
+            if partial_jobs:
+                cut.append(f"{partial_jobs} in {_iso(wlo)} .. {_iso(whi)}")
+            if status == HTTP_PARTIAL:
+                cut.append(f"Tempo answered HTTP 206 (partial content: some blocks or queriers "
+                           f"failed) for {_iso(wlo)} .. {_iso(whi)}")
+            windows += 1
+            for tid, start_ns in hits:
+                if start_ns is not None:
+                    t = min(max(start_ns // 10**9, range_start), range_end - 1)
+                    if not lo <= t < hi:
+                        continue  # another page's trace (it started there)
+                found.setdefault(tid, None)
+        return PageSearch(tuple(found), windows, tuple(cut))
+
+
+HTTP_PARTIAL = 206
+"""Tempo's status for an answer assembled from part of the data (some blocks or queriers failed)."""
 
 
 def one_sided_transfers(rows: Any, first_row: int = 0) -> int:
@@ -409,8 +573,9 @@ def one_sided_transfers(rows: Any, first_row: int = 0) -> int:
     return len(rdma ^ notify)
 
 
-def _search_answer(body: bytes, url: str) -> tuple[list[str], str]:
-    """(trace ids, a note when Tempo says jobs did not complete) from a search answer."""
+def _search_answer(body: bytes, url: str) -> tuple[list[tuple[str, int | None]], str]:
+    """((trace id, start ns or None), a note when Tempo says jobs did not complete) from a
+    search answer."""
     try:
         doc = json.loads(body)
     except RecursionError:
@@ -429,17 +594,36 @@ def _search_answer(body: bytes, url: str) -> tuple[list[str], str]:
         tid = t.get("traceID") if isinstance(t, dict) else None
         if not isinstance(tid, str) or not tid:
             raise TraceFormatError(url, f"traces[{i}].traceID", "a trace id string", got=t)
-        ids.append(tid)
+        start = t.get("startTimeUnixNano")
+        try:
+            start_ns = int(start) if start is not None else None
+        except (TypeError, ValueError):
+            start_ns = None
+        ids.append((tid, start_ns))
     note = ""
     metrics = doc.get("metrics")
     if isinstance(metrics, dict):
         done, total = metrics.get("completedJobs"), metrics.get("totalJobs")
         # Tempo stops its jobs early once it has `limit` traces: only a short answer with
-        # unfinished jobs means something was not searched.
-        if (isinstance(done, int) and isinstance(total, int) and done < total
+        # unfinished jobs means something was not searched. inspectedBytes below totalBlockBytes
+        # says nothing: Tempo reads only the columns a query needs (the recorded complete search
+        # of tests/fixtures/traces/tempo_real inspected 126,560 of 177,861 bytes).
+        done, total = _as_int(done), _as_int(total)
+        if (done is not None and total is not None and done < total
                 and len(ids) < _requested_limit(url)):
             note = f"Tempo completed {done} of {total} search jobs"
     return ids, note
+
+
+def _as_int(v: object) -> int | None:
+    """An int from Tempo's protobuf JSON (64-bit counts come as strings)."""
+    if isinstance(v, bool):
+        return None
+    if isinstance(v, int):
+        return v
+    if isinstance(v, str) and v.isdigit():
+        return int(v)
+    return None
 
 
 def _requested_limit(url: str) -> int:
