@@ -348,10 +348,10 @@ class KvtunePushWorker(_WorkerHooks, NixlPushConnectorWorker):
     def _kvt_on_registered(self, req_id: str, reg_data: dict[str, Any]) -> None:
         sc, base, info = self._kvt_forward_target_sc(req_id)
         start = info.mark_ns if info is not None and info.mark_ns is not None else now_ns()
+        remote, blocks = str(reg_data.get(REMOTE_ENGINE_ID)), reg_data.get("local_block_ids")
         self._kvt.emit(_S.REGISTRATION, sc, start, now_ns(), lambda: {
             **transfer_attrs(base, _D.FORWARD, req_id), **request_attrs(info),
-            spans.REMOTE_ENGINE_ID: str(reg_data.get(REMOTE_ENGINE_ID)),
-            spans.BLOCKS: count_blocks(reg_data.get("local_block_ids")),
+            spans.REMOTE_ENGINE_ID: remote, spans.BLOCKS: count_blocks(blocks),
             spans.TOKENS: info.tokens if info is not None else None}, role=_DEC)
 
     # P side (writer thread): registration received; rendezvous with the finished prefill.
