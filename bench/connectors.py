@@ -22,6 +22,7 @@ Two measurements, printed as kvtune/vLLM ratios (aim: <= 1.02):
 from __future__ import annotations
 
 import argparse
+import gc
 import statistics
 import sys
 import tempfile
@@ -85,16 +86,12 @@ def _timed(fn: Callable[[], None], n: int) -> float:
 def micro(steps: int = 20000, requests: int = 2000, blocks: int = 10) -> None:
     """Per-step and per-request scheduler-side cost, kvtune vs vLLM, in this process."""
     import torch
-    from vllm import SamplingParams
     from vllm.config import KVTransferConfig, VllmConfig
     from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_scheduler import (
         NixlPullConnectorScheduler,
     )
-    from vllm.v1.core.sched.output import SchedulerOutput
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
-    from vllm.v1.outputs import KVConnectorOutput
-    from vllm.v1.request import Request, RequestStatus
     from vllm.utils.gc_utils import freeze_gc_heap
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 
     from kvtune import telemetry
     from kvtune.connectors.observer import Emitter
@@ -114,10 +111,24 @@ def micro(steps: int = 20000, requests: int = 2000, blocks: int = 10) -> None:
     recorder = SpanRecorder(interval_s=None)  # drained between the timed blocks, timed apart
     kvt_s._kvt_init(Emitter(kvt_s._kvt.role, kvt_s._kvt.mode, "bench-p", tracer=tel.tracer,
                             telemetry=tel, deferred=True, recorder=recorder))
-    empty_out, empty_conn = SchedulerOutput.make_empty(), KVConnectorOutput()
     # As vLLM's EngineCore does once it is built: the start-up heap is left out of GC passes
     # (else a collection walks vLLM's and torch's whole heap, charged to whoever allocates).
     freeze_gc_heap()
+    try:
+        _micro_blocks(vllm_s, kvt_s, recorder, tel, out_dir, steps, requests, blocks)
+    finally:
+        gc.unfreeze()
+        tel.shutdown()
+
+
+def _micro_blocks(vllm_s: Any, kvt_s: Any, recorder: Any, tel: Any, out_dir: Path, steps: int,
+                  requests: int, blocks: int) -> None:
+    from vllm import SamplingParams
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request, RequestStatus
+
+    empty_out, empty_conn = SchedulerOutput.make_empty(), KVConnectorOutput()
 
     def step(s: Any) -> Callable[[], None]:
         def run() -> None:
@@ -154,7 +165,10 @@ def micro(steps: int = 20000, requests: int = 2000, blocks: int = 10) -> None:
                 built = recorder.drain()
                 build_ns.append((time.perf_counter_ns() - t0) / n_req)
     tel.force_flush()
-    print(f"\nmicro (scheduler side, in-process, {blocks} alternating blocks; spans -> {out_dir})")
+    import vllm
+
+    print(f"\nmicro (vLLM {vllm.__version__}, scheduler side, in-process, {blocks} alternating "
+          f"blocks; spans -> {out_dir})")
     extra_us: dict[str, float] = {}
     for what, per in results.items():
         v, k = statistics.median(per["vllm"]), statistics.median(per["kvtune"])
@@ -167,7 +181,6 @@ def micro(steps: int = 20000, requests: int = 2000, blocks: int = 10) -> None:
     met = extra_us["request"] <= AIM_REQUEST_US and extra_us["step"] <= AIM_STEP_US
     print(f"aim: extra <= {AIM_REQUEST_US:g} us/request, <= {AIM_STEP_US:g} us/step: "
           f"{'MET' if met else 'NOT MET'}")
-    tel.shutdown()
 
 
 def main(argv: list[str] | None = None) -> int:
