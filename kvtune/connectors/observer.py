@@ -130,6 +130,11 @@ class ReqTrace:
     def span_context(self) -> SpanContext:
         return parse_traceparent(self.traceparent) or derived_span_context(self.base_id)
 
+    def parent(self) -> SpanContext | str:
+        """:meth:`span_context` as :meth:`Emitter.emit` takes it: without a ``traceparent``
+        the base id (the derived context is made off the engine thread)."""
+        return parse_traceparent(self.traceparent) or self.base_id
+
     def remote_span_context(self) -> SpanContext:
         base = self.remote_base_id or self.base_id
         return parse_traceparent(self.remote_traceparent) or derived_span_context(base)
@@ -352,7 +357,8 @@ def pushed_tokens(prompt_tokens: int | None, block_ids: Any, block_size: int | N
 class XferContext:
     """The transfer a worker thread is about to post (set around vLLM's read/write method)."""
 
-    sc: SpanContext
+    sc: SpanContext | str
+    """Parent of its spans (a base id: the context derived from it, see :meth:`Emitter.emit`)."""
     attrs: dict[str, Any]
     setup_start_ns: int
     role: spans.Role | None = None
