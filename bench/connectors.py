@@ -83,7 +83,8 @@ def _timed(fn: Callable[[], None], n: int) -> float:
     return (time.perf_counter_ns() - t0) / n
 
 
-def micro(steps: int = 60000, requests: int = 6000, blocks: int = 30) -> None:
+def micro(steps: int = 60000, requests: int = 6000, blocks: int = 30,
+          gc_freeze: bool = True) -> None:
     """Per-step and per-request scheduler-side cost, kvtune vs vLLM, in this process."""
     import torch
     from vllm.config import KVTransferConfig, VllmConfig
@@ -113,7 +114,8 @@ def micro(steps: int = 60000, requests: int = 6000, blocks: int = 30) -> None:
                             telemetry=tel, deferred=True, recorder=recorder))
     # As vLLM's EngineCore does once it is built: the start-up heap is left out of GC passes
     # (else a collection walks vLLM's and torch's whole heap, charged to whoever allocates).
-    freeze_gc_heap()
+    if gc_freeze:
+        freeze_gc_heap()
     try:
         _micro_blocks(vllm_s, kvt_s, recorder, tel, out_dir, steps, requests, blocks)
     finally:
@@ -175,7 +177,8 @@ def _micro_blocks(vllm_s: Any, kvt_s: Any, recorder: Any, tel: Any, out_dir: Pat
     import vllm
 
     print(f"\nmicro (vLLM {vllm.__version__}, scheduler side, in-process, {blocks} alternating "
-          f"blocks; spans -> {out_dir})")
+          f"blocks, start-up heap {'frozen' if gc.get_freeze_count() else 'NOT frozen'}; "
+          f"spans -> {out_dir})")
     extra_us: dict[str, float] = {}
     for what, per in results.items():
         v, k = statistics.median(per["vllm"]), statistics.median(per["kvtune"])
@@ -198,6 +201,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--micro-requests", type=int, default=6000, help="--micro: requests timed")
     ap.add_argument("--micro-blocks", type=int, default=30,
                     help="--micro: alternating blocks (medians are over these)")
+    ap.add_argument("--micro-gc-unfrozen", action="store_true",
+                    help="--micro: leave the start-up heap to the GC (vLLM's EngineCore freezes it)")
     ap.add_argument("--modes", default="pull", help="comma-separated: pull, push")
     ap.add_argument("--requests", type=int, default=20)
     ap.add_argument("--prompt-tokens", type=int, default=256)
@@ -205,7 +210,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workdir", default=None)
     args = ap.parse_args(argv)
     if args.micro:
-        micro(args.micro_steps, args.micro_requests, args.micro_blocks)
+        micro(args.micro_steps, args.micro_requests, args.micro_blocks,
+              gc_freeze=not args.micro_gc_unfrozen)
         return 0
     root = Path(args.workdir or tempfile.mkdtemp(prefix="kvtune-bench-connectors-"))
     for mode in [m.strip() for m in args.modes.split(",") if m.strip()]:
