@@ -519,7 +519,7 @@ def test_micro_bench_runs_and_prints_its_verdict_on_the_aim(
     assert bench.main(["--micro", "--micro-steps", "40", "--micro-requests", "8",
                        "--micro-blocks", "2"]) == 0
     out = capsys.readouterr().out
-    for line in ("per step ", "per request ", "off the engine thread: building spans ",
+    for line in ("per step ", "per request ", "off the engine thread, per request: building ",
                  "aim: extra <= 20 us/request, <= 0.5 us/step: "):
         assert line in out, out
     assert "failures 0, dropped 0" in out and "(2 span(s) each" in out
