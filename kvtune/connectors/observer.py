@@ -4,7 +4,9 @@
   logged once per process (with its traceback), and the host carries on unchanged.
 * :class:`Emitter` makes the convention's spans for one role with explicit start/end times (a phase
   often starts in the scheduler process and ends in the worker process; both stamp wall-clock ns).
-  Attributes are built only for recording spans; export happens on the telemetry's batch processor.
+  Inside vLLM it only records a span's values on the calling thread; the span is built on the
+  :mod:`kvtune.connectors.recorder` thread (attributes only for recording spans, none at all for
+  a request the router did not sample) and exported on the telemetry's batch processor.
 * :class:`ReqTrace` is what the scheduler side hands to the worker side through vLLM's connector
   metadata (``metadata.kvtune_reqs``): ids, trace context and the time a phase began.
 * :class:`TransferTracker` follows NIXL transfer handles from "descriptors prepared" to "completion

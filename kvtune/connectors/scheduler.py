@@ -72,6 +72,13 @@ class _ReqState:
     """The leg the request serves on this engine (:func:`kvtune.vllm_pd.leg_role`)."""
     sc: SpanContext | None
     """Context the request came with (its ``traceparent`` parsed once); None without one."""
+    scheduled_ns: int | None = None
+    local_cached: int = 0
+    external: int = 0
+    waiting_kv: bool = False
+    decided: bool = False
+    decision_ns: int | None = None
+    queued: bool = False
 
     @property
     def parent(self) -> SpanContext | str:
@@ -80,14 +87,8 @@ class _ReqState:
         return self.sc if self.sc is not None else self.base_id
 
     def parent_context(self) -> SpanContext:
+        """The parent as a context (derived here when none came)."""
         return self.sc if self.sc is not None else derived_span_context(self.base_id)
-    scheduled_ns: int | None = None
-    local_cached: int = 0
-    external: int = 0
-    waiting_kv: bool = False
-    decided: bool = False
-    decision_ns: int | None = None
-    queued: bool = False
 
 
 def _int_or_none(value: Any) -> int | None:
