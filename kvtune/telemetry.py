@@ -20,7 +20,7 @@ import math
 import os
 import socket
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
@@ -509,6 +509,21 @@ class Telemetry:
     otlp_endpoint: str | None
     otlp_protocol: str | None
     _shut: list[bool] = field(default_factory=lambda: [False], repr=False, compare=False)
+    _before_flush: list[Callable[[], Any]] = field(default_factory=list, repr=False,
+                                                  compare=False)
+
+    def add_before_flush(self, fn: Callable[[], Any]) -> None:
+        """Call ``fn`` first in every :meth:`force_flush` and :meth:`shutdown` (the connectors
+        hand over the spans they recorded but have not built yet)."""
+        if fn not in self._before_flush:
+            self._before_flush.append(fn)
+
+    def _run_before_flush(self) -> None:
+        for fn in self._before_flush:
+            try:
+                fn()
+            except Exception:
+                _logger.debug("kvtune telemetry: a before-flush hook failed", exc_info=True)
 
     @property
     def dropped_spans(self) -> int:
@@ -517,6 +532,7 @@ class Telemetry:
 
     def force_flush(self, timeout_millis: int = 30000) -> bool:
         """Exports what is queued; returns False (never raises) when something could not be sent."""
+        self._run_before_flush()
         try:
             return bool(self.provider.force_flush(timeout_millis))
         except Exception:
@@ -528,6 +544,7 @@ class Telemetry:
         if self._shut[0]:
             return
         self._shut[0] = True
+        self._run_before_flush()
         try:
             self.provider.shutdown()
         except Exception:

@@ -370,3 +370,157 @@ def test_kv_both_engine_labels_each_span_with_its_requests_leg(
     pair = _engine_spans(tmp_path / "pair", monkeypatch, (KV_PRODUCER, KV_CONSUMER))
     assert _span_set(both) == _span_set(pair)
     assert set(both[spans.ENGINE_ID]) == {"eng-kv_both"}
+
+
+# --- spans built off the engine thread, head sampling ------------------------------------------
+def _drive_all_paths(make_emitter: Any) -> None:
+    """Every scheduler-side span: queue, prefill (given and derived trace, aborted), reuse
+    decisions, decode start and retention; each connector's emitter from ``make_emitter``."""
+    def conn_for(kv_role: str, **extra: Any) -> Any:
+        conn = KvtuneNixlPullConnector(_config(kv_role, **extra), KVConnectorRole.SCHEDULER,
+                                       _kv_cache_config())
+        sched = conn.connector_scheduler
+        sched._kvt_init(make_emitter(sched))
+        return conn
+
+    prod = conn_for(KV_PRODUCER)
+    tp = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+    for rid, params, status in (
+            ("cmpl-a-0-11111111", {DO_REMOTE_DECODE: True, spans.KV_PARAMS_TRACEPARENT: tp},
+             RequestStatus.FINISHED_LENGTH_CAPPED),
+            ("cmpl-b-0-22222222", {DO_REMOTE_DECODE: True}, RequestStatus.FINISHED_LENGTH_CAPPED),
+            ("cmpl-c-0-33333333", {DO_REMOTE_DECODE: True}, RequestStatus.FINISHED_ABORTED)):
+        req = Request(rid, list(range(1, 201)), SamplingParams(
+            max_tokens=1, extra_args={KV_TRANSFER_PARAMS: params}), None, arrival_time=1000.0)
+        prod.get_num_new_matched_tokens(req, 128)
+        prod.update_state_after_alloc(req, _blocks(5), 0)
+        req.status = status
+        prod.request_finished(req, [5, 6])
+    prod.build_connector_meta(SchedulerOutput.make_empty())
+
+    bidir = conn_for(KV_PRODUCER, bidirectional_kv_xfer=True, kv_recompute_threshold=THRESHOLD)
+    for rid, remote_tokens, local in (("cmpl-t2-0-44444444", 40, 0),
+                                      ("cmpl-t3-0-55555555", 100, 128)):
+        bidir.get_num_new_matched_tokens(_request(rid, 300, _history(remote_tokens)), local)
+
+    dec = conn_for(KV_CONSUMER, bidirectional_kv_xfer=True, decoder_kv_blocks_ttl=TTL_S)
+    params = {DO_REMOTE_PREFILL: True, REMOTE_BLOCK_IDS: ([9],), REMOTE_ENGINE_ID: "eng-p",
+              REMOTE_REQUEST_ID: "cmpl-d1-0-55555555", REMOTE_HOST: "127.0.0.1",
+              REMOTE_PORT: 5600, REMOTE_NUM_TOKENS: 100, spans.KV_PARAMS_CONVERSATION_ID: "c9"}
+    for rid in ("cmpl-d1-0-66666666", "cmpl-d2-0-77777777"):  # two: decode_start in one loop
+        req = _request(rid, 100, dict(params))  # vLLM changes a request's params in place
+        dec.get_num_new_matched_tokens(req, 0)
+        dec.update_state_after_alloc(req, _blocks(2), 100)
+    dec.build_connector_meta(SchedulerOutput.make_empty())
+    dec.update_connector_output(KVConnectorOutput(
+        finished_recving={"cmpl-d1-0-66666666", "cmpl-d2-0-77777777"}))
+    out = SchedulerOutput.make_empty()
+    out.num_scheduled_tokens = {"cmpl-d1-0-66666666": 1, "cmpl-d2-0-77777777": 1}
+    dec.build_connector_meta(out)
+
+
+def _comparable(s: Any) -> tuple[Any, ...]:
+    """A span less its own (random) span id."""
+    return (s.name, s.context.trace_id, s.parent.span_id if s.parent else None,
+            s.start_time, s.end_time, dict(s.attributes), s.status.status_code,
+            s.status.description)
+
+
+def test_deferred_spans_equal_spans_built_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Recording values on the engine thread and building the spans on the recorder's thread
+    gives the very spans that building them at once gave (times, parents, attributes)."""
+    from kvtune.connectors import scheduler as sched_mod
+    from kvtune.connectors.recorder import SpanRecorder
+
+    runs: dict[str, list[tuple[Any, ...]]] = {}
+    for how in ("at once", "deferred", "deferred, builder thread"):
+        clock = iter(range(10**12, 10**12 + 10**6, 1000))
+        monkeypatch.setattr(sched_mod, "now_ns", lambda: next(clock))
+        exporter = InMemorySpanExporter()
+        provider = TracerProvider()
+        provider.add_span_processor(SimpleSpanProcessor(exporter))
+        recorder = None if how == "at once" else SpanRecorder(
+            interval_s=0.01 if "thread" in how else None)
+        made: list[Emitter] = []
+
+        def make(sched: Any) -> Emitter:
+            em = Emitter(sched._kvt.role, sched._kvt.mode, "eng-test",
+                         tracer=provider.get_tracer("test"), deferred=recorder is not None,
+                         recorder=recorder)
+            made.append(em)
+            return em
+
+        _drive_all_paths(make)
+        if how == "deferred":
+            assert exporter.get_finished_spans() == ()  # nothing built on the engine thread
+            assert recorder.pending() > 0
+        for em in made:
+            em.flush()
+        if recorder is not None:
+            assert recorder.pending() == 0 and recorder.failures == 0
+            recorder.close()
+        runs[how] = [_comparable(s) for s in exporter.get_finished_spans()]
+    names = {r[0] for r in runs["at once"]}
+    assert names >= {spans.SpanName.QUEUE.value, spans.SpanName.PREFILL.value,
+                     spans.SpanName.REUSE_DECISION.value, spans.SpanName.DECODE_START.value}
+    assert runs["deferred"] == runs["at once"]
+    assert sorted(runs["deferred, builder thread"], key=repr) == sorted(runs["at once"], key=repr)
+
+
+@pytest.mark.parametrize("flags, expect_spans", [("01", True), ("00", False)])
+def test_router_sampling_flag_decides_whether_spans_are_recorded(
+        flags: str, expect_spans: bool) -> None:
+    """Head sampling: a request whose ``traceparent`` says "not sampled" records nothing (not
+    even a value for the builder thread); the worker side still gets its trace context, so it
+    skips the request's spans too."""
+    from kvtune.connectors.recorder import SpanRecorder
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()  # OTel's default sampler: parent-based
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    recorder = SpanRecorder(interval_s=None)
+    conn = KvtuneNixlPullConnector(_config(KV_PRODUCER), KVConnectorRole.SCHEDULER,
+                                   _kv_cache_config())
+    sched = conn.connector_scheduler
+    sched._kvt_init(Emitter(sched._kvt.role, sched._kvt.mode, "eng-test",
+                            tracer=provider.get_tracer("test"), deferred=True, recorder=recorder))
+    tp = f"00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-{flags}"
+    req = Request("cmpl-s-0-12121212", list(range(1, 41)), SamplingParams(
+        max_tokens=1, extra_args={KV_TRANSFER_PARAMS: {DO_REMOTE_DECODE: True,
+                                                       spans.KV_PARAMS_TRACEPARENT: tp}}),
+        None, arrival_time=time.time() - 0.1)
+    conn.get_num_new_matched_tokens(req, 0)
+    conn.update_state_after_alloc(req, _blocks(1), 0)
+    req.status = RequestStatus.FINISHED_LENGTH_CAPPED
+    conn.request_finished(req, [1])
+    info = conn.build_connector_meta(SchedulerOutput.make_empty()).kvtune_reqs[req.request_id]
+    assert info.traceparent == tp  # the worker side sees the same flag
+    assert (recorder.pending() > 0) is expect_spans
+    recorder.drain()
+    names = sorted(s.name for s in exporter.get_finished_spans())
+    assert names == (sorted([spans.SpanName.QUEUE.value, spans.SpanName.PREFILL.value])
+                     if expect_spans else [])
+
+
+def test_micro_bench_runs_and_prints_its_verdict_on_the_aim(
+        capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """``bench/connectors.py --micro`` in a tiny configuration: it runs and prints its lines
+    (timing is the bench's to report, not a test's to assert)."""
+    import gc
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "bench" / "connectors.py"
+    spec = importlib.util.spec_from_file_location("kvtune_bench_connectors", path)
+    bench = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, bench)  # its dataclasses look their module up
+    spec.loader.exec_module(bench)
+    assert bench.main(["--micro", "--micro-steps", "40", "--micro-requests", "8",
+                       "--micro-blocks", "2"]) == 0
+    out = capsys.readouterr().out
+    for line in ("per step ", "per request ", "off the engine thread, per request: building ",
+                 "aim: extra <= 20 us/request, <= 0.5 us/step: "):
+        assert line in out, out
+    assert "failures 0, dropped 0" in out and "(2 span(s) each" in out
+    assert gc.get_freeze_count() == 0  # the bench gave the heap back to the collector

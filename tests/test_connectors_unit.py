@@ -287,3 +287,15 @@ def test_pushed_tokens_are_the_blocks_the_decode_registered(prompt, block_ids, b
     from kvtune.connectors.observer import pushed_tokens
 
     assert pushed_tokens(prompt, block_ids, block_size) == expected
+
+
+@pytest.mark.parametrize("value", [
+    TRACEPARENT, TRACEPARENT[:-2] + "00", " \t" + TRACEPARENT + " ", TRACEPARENT + "\n",
+    TRACEPARENT + "-x", "01" + TRACEPARENT[2:] + "-future", "ff" + TRACEPARENT[2:],
+    TRACEPARENT.upper(), "00-" + "0" * 32 + TRACEPARENT[35:], TRACEPARENT[:36] + "0" * 16 + "-01",
+    TRACEPARENT + " " * 500, "", "00-zz", None, 42,
+])
+def test_traceparent_parser_agrees_with_opentelemetrys_propagator(value: object) -> None:
+    from kvtune.connectors.ids import _parse_traceparent_otel
+
+    assert parse_traceparent(value) == _parse_traceparent_otel(value)

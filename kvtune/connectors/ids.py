@@ -57,8 +57,35 @@ def derived_span_context(base_id: str) -> SpanContext:
                        trace_flags=TraceFlags(TraceFlags.SAMPLED))
 
 
+_TRACEPARENT_RE: Final = re.compile(
+    r"^[ \t]*([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})(?:(-.*)|[ \t]*)$")
+"""W3C ``traceparent``, as OpenTelemetry's ``TraceContextTextMapPropagator`` reads it."""
+_TRACEPARENT_MAX_CHARS: Final = 512
+_ZERO_TRACE_ID: Final = "0" * 32
+_ZERO_SPAN_ID: Final = "0" * 16
+
+
 def parse_traceparent(value: object) -> SpanContext | None:
-    """The span context of a W3C ``traceparent`` string, or None when absent or invalid."""
+    """The span context of a W3C ``traceparent`` string, or None when absent or invalid.
+
+    The same context OpenTelemetry's ``TraceContextTextMapPropagator.extract`` gives (without a
+    ``tracestate``; a test compares them), in a fifth of its time: it runs on the engine loop."""
+    if not isinstance(value, str) or not value or len(value) > _TRACEPARENT_MAX_CHARS:
+        return None
+    m = _TRACEPARENT_RE.search(value)
+    if m is None:
+        return None
+    version, trace_id, span_id, flags, rest = m.groups()
+    if (trace_id == _ZERO_TRACE_ID or span_id == _ZERO_SPAN_ID or version == "ff"
+            or (version == "00" and rest)):
+        return None
+    sc = SpanContext(trace_id=int(trace_id, 16), span_id=int(span_id, 16), is_remote=True,
+                     trace_flags=TraceFlags(int(flags, 16)))
+    return sc if sc.is_valid else None
+
+
+def _parse_traceparent_otel(value: object) -> SpanContext | None:
+    """:func:`parse_traceparent` through OpenTelemetry's propagator (the reference, for tests)."""
     if not isinstance(value, str) or not value:
         return None
     ctx = _PROPAGATOR.extract({TRACEPARENT_HEADER: value})
@@ -76,6 +103,15 @@ def request_span_context(base_id: str, *, trace_headers: Mapping[str, str] | Non
                          key: str = spans.KV_PARAMS_TRACEPARENT) -> SpanContext:
     """The parent for a request's spans: ``kv_params[key]``, else vLLM's ``trace_headers``
     ``traceparent``, else :func:`derived_span_context` of ``base_id``."""
+    return (given_span_context(trace_headers=trace_headers, kv_params=kv_params, key=key)
+            or derived_span_context(base_id))
+
+
+def given_span_context(*, trace_headers: Mapping[str, str] | None = None,
+                       kv_params: Mapping[str, object] | None = None,
+                       key: str = spans.KV_PARAMS_TRACEPARENT) -> SpanContext | None:
+    """The trace context a request came with: ``kv_params[key]``, else vLLM's ``trace_headers``
+    ``traceparent``; None when neither holds a valid one."""
     if kv_params:
         sc = parse_traceparent(kv_params.get(key))
         if sc is not None:
@@ -85,10 +121,8 @@ def request_span_context(base_id: str, *, trace_headers: Mapping[str, str] | Non
         if value is None:  # header names are case-insensitive
             value = next((v for k, v in trace_headers.items()
                           if k.lower() == TRACEPARENT_HEADER), None)
-        sc = parse_traceparent(value)
-        if sc is not None:
-            return sc
-    return derived_span_context(base_id)
+        return parse_traceparent(value)
+    return None
 
 
 def context_of(sc: SpanContext) -> Context:

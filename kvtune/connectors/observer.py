@@ -4,7 +4,9 @@
   logged once per process (with its traceback), and the host carries on unchanged.
 * :class:`Emitter` makes the convention's spans for one role with explicit start/end times (a phase
   often starts in the scheduler process and ends in the worker process; both stamp wall-clock ns).
-  Attributes are built only for recording spans; export happens on the telemetry's batch processor.
+  Inside vLLM it only records a span's values on the calling thread; the span is built on the
+  :mod:`kvtune.connectors.recorder` thread (attributes only for recording spans, none at all for
+  a request the router did not sample) and exported on the telemetry's batch processor.
 * :class:`ReqTrace` is what the scheduler side hands to the worker side through vLLM's connector
   metadata (``metadata.kvtune_reqs``): ids, trace context and the time a phase began.
 * :class:`TransferTracker` follows NIXL transfer handles from "descriptors prepared" to "completion
@@ -16,6 +18,7 @@ hook never changes what vLLM does. Never set it in production.
 """
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import threading
@@ -26,7 +29,8 @@ from dataclasses import dataclass, field
 from typing import Any, Final
 
 from opentelemetry import trace
-from opentelemetry.trace import SpanContext, Status, StatusCode, Tracer
+from opentelemetry.sdk.trace.sampling import Decision, ParentBased
+from opentelemetry.trace import SpanContext, Status, StatusCode, TraceFlags, Tracer
 
 from kvtune import spans
 from kvtune.connectors.ids import (
@@ -128,6 +132,11 @@ class ReqTrace:
     def span_context(self) -> SpanContext:
         return parse_traceparent(self.traceparent) or derived_span_context(self.base_id)
 
+    def parent(self) -> SpanContext | str:
+        """:meth:`span_context` as :meth:`Emitter.emit` takes it: without a ``traceparent``
+        the base id (the derived context is made off the engine thread)."""
+        return parse_traceparent(self.traceparent) or self.base_id
+
     def remote_span_context(self) -> SpanContext:
         base = self.remote_base_id or self.base_id
         return parse_traceparent(self.remote_traceparent) or derived_span_context(base)
@@ -180,6 +189,17 @@ class Emitter:
     every span carries; or None (``kv_both``): each span carries the role of the leg it served,
     given to :meth:`emit`, and goes to that role's tracer (its ``service.name`` is the role's, as
     on a fixed-role engine). ``common`` attributes (mode, engine id, TP rank, ...) go on every span.
+
+    ``deferred`` (default: when no ``tracer`` is given, i.e. inside vLLM): :meth:`emit` only
+    records the span's values, and the span is built and ended on the
+    :class:`~kvtune.connectors.recorder.SpanRecorder`'s thread (the process's unless ``recorder``
+    is given). Otherwise :meth:`emit` builds it at once (tests that read spans right away).
+    Either way the span is the same: its times are the ones given, its attributes are built by
+    the given callable, its parent is the given context.
+
+    Head sampling: when every tracer's sampler is parent-based and drops spans whose remote
+    parent is not sampled (OpenTelemetry's default), :meth:`emit` drops such spans itself before
+    recording anything (the router's ``traceparent`` flag ``00``).
     """
 
     role: spans.Role | None
@@ -190,11 +210,16 @@ class Emitter:
     """All roles' tracer when given (tests, benches); else each role's from :func:`_tracer_for`."""
     telemetry: Any = None
     common: dict[str, Any] = field(default_factory=dict)
+    deferred: bool | None = None
+    recorder: Any = None
+    """The :class:`~kvtune.connectors.recorder.SpanRecorder` deferred spans go to."""
     _tracers: dict[spans.Role, Tracer] = field(default_factory=dict, init=False, repr=False)
     _telemetries: list[Any] = field(default_factory=list, init=False, repr=False)
+    _drop_unsampled: bool = field(default=False, init=False, repr=False)
 
     def __post_init__(self) -> None:
         roles = (self.role,) if self.role is not None else LEG_ROLES
+        explicit = self.tracer is not None
         for r in roles:  # every role's tracer now: none is made on a request's path
             if self.tracer is not None:
                 self._tracers[r] = self.tracer
@@ -211,16 +236,49 @@ class Emitter:
         self.common = {spans.MODE: self.mode.value, spans.ENGINE_ID: self.engine_id}
         if self.tp_rank is not None:
             self.common[spans.TP_RANK] = int(self.tp_rank)
+        self._drop_unsampled = all(_drops_unsampled_parents(t) for t in self._tracers.values())
+        if self.deferred is None:
+            self.deferred = not explicit
+        if self.deferred:
+            if self.recorder is None:
+                from kvtune.connectors.recorder import process_recorder
+                self.recorder = process_recorder()
+            for handle in self._telemetries:  # its flush and shutdown build what is recorded
+                add = getattr(handle, "add_before_flush", None)
+                if callable(add):
+                    add(self.recorder.drain)
+            # After the telemetry's own exit hook was registered, so this one runs first.
+            atexit.register(self.flush)
+        else:
+            self.recorder = None
 
     def role_for(self, leg: spans.Role | None) -> spans.Role:
         """The role a span of a request on leg ``leg`` carries: the engine's when fixed."""
         return self.role or leg or UNKNOWN_LEG_ROLE
 
-    def emit(self, name: spans.SpanName, sc: SpanContext, start_ns: int, end_ns: int,
+    def emit(self, name: spans.SpanName, sc: SpanContext | str, start_ns: int, end_ns: int,
              attrs: Callable[[], Mapping[str, Any]] | Mapping[str, Any] | None = None,
              error: str | None = None, role: spans.Role | None = None) -> None:
         """One finished span ``name`` under parent ``sc`` from ``start_ns`` to ``end_ns``;
-        ``role``: the leg it served (used on a per-leg engine only)."""
+        ``role``: the leg it served (used on a per-leg engine only). ``attrs`` may be called
+        later, on another thread: it must read only values that no longer change.
+
+        ``sc`` a string: a base request id, whose :func:`derived_span_context` is the parent
+        (made when the span is built; always sampled)."""
+        if self._drop_unsampled and sc.__class__ is not str and not sc.trace_flags & _SAMPLED:
+            return
+        record = (self._build, name, sc, start_ns, end_ns, attrs, error, role)
+        if self.recorder is not None:
+            self.recorder.record(record)
+        else:
+            self._build(record)
+
+    def _build(self, record: tuple[Any, ...]) -> None:
+        """Start, fill and end the span of one :meth:`emit` (on the recorder's thread when
+        deferred)."""
+        _, name, sc, start_ns, end_ns, attrs, error, role = record
+        if isinstance(sc, str):
+            sc = derived_span_context(sc)
         r = self.role_for(role)
         span = self._tracers[r].start_span(name.value, context=context_of(sc),
                                            start_time=start_ns)
@@ -235,8 +293,29 @@ class Emitter:
         span.end(end_time=max(end_ns, start_ns))
 
     def flush(self) -> None:
+        """Builds the recorded spans (deferred) and flushes the telemetry's exporters."""
+        if self.recorder is not None:
+            self.recorder.drain()
         for handle in self._telemetries:
             handle.force_flush()
+
+
+_SAMPLED: Final = int(TraceFlags.SAMPLED)
+
+
+def _drops_unsampled_parents(tracer: Any) -> bool:
+    """Whether ``tracer`` (an SDK tracer) never records a span whose remote parent is unsampled:
+    its sampler is parent-based and drops such a parent's children (the SDK's default)."""
+    sampler = getattr(tracer, "sampler", None)
+    if not isinstance(sampler, ParentBased):
+        return False
+    probe = SpanContext(trace_id=1, span_id=1, is_remote=True,
+                        trace_flags=TraceFlags(TraceFlags.DEFAULT))
+    try:
+        result = sampler.should_sample(context_of(probe), 1, "kvtune.probe")
+    except Exception:
+        return False
+    return result.decision is Decision.DROP
 
 
 def transfer_attrs(base_id: str, direction: spans.Direction, request_id: str,
@@ -280,7 +359,8 @@ def pushed_tokens(prompt_tokens: int | None, block_ids: Any, block_size: int | N
 class XferContext:
     """The transfer a worker thread is about to post (set around vLLM's read/write method)."""
 
-    sc: SpanContext
+    sc: SpanContext | str
+    """Parent of its spans (a base id: the context derived from it, see :meth:`Emitter.emit`)."""
     attrs: dict[str, Any]
     setup_start_ns: int
     role: spans.Role | None = None
@@ -380,16 +460,20 @@ class TransferTracker:
         if rec is None or rec.post_ns is None:
             return
         ctx = rec.ctx
+        descriptors = rec.descriptors
+        # NIXL's telemetry read now (its handle is released next); the dict is built later.
+        nixl = None if res is None else (float(res.postDuration), float(res.xferDuration),
+                                         int(res.totalBytes), int(res.descCount))
 
         def attrs() -> dict[str, Any]:
             out = dict(ctx.attrs)
             out[spans.NIXL_STATUS] = state
-            out[spans.DESCRIPTORS] = rec.descriptors
-            if res is not None:
-                out[spans.NIXL_POST_US] = float(res.postDuration)
-                out[spans.NIXL_XFER_US] = float(res.xferDuration)
-                out[spans.BYTES] = int(res.totalBytes)
-                out[spans.DESCRIPTORS] = int(res.descCount)
+            out[spans.DESCRIPTORS] = descriptors
+            if nixl is not None:
+                out[spans.NIXL_POST_US] = nixl[0]
+                out[spans.NIXL_XFER_US] = nixl[1]
+                out[spans.BYTES] = nixl[2]
+                out[spans.DESCRIPTORS] = nixl[3]
             return out
 
         self.emitter.emit(spans.SpanName.RDMA, ctx.sc, rec.post_ns, done_ns, attrs,

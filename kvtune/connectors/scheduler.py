@@ -15,9 +15,9 @@ the request's :class:`ReqTrace` tells the worker side too.
 """
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Any, Final
 
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_scheduler import (
     NixlPullConnectorScheduler,
@@ -26,9 +26,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.push_scheduler import (
     NixlPushConnectorScheduler,
 )
 
+from opentelemetry.trace import SpanContext
+
 from kvtune import spans
 from kvtune.connectors import compat
-from kvtune.connectors.ids import base_request_id, derived_span_context, request_span_context
+from kvtune.connectors.ids import base_request_id, derived_span_context, given_span_context
 from kvtune.connectors.idle import IdleStepWait, wait_ms_from_extra_config
 from kvtune.connectors.observer import (
     GUARD,
@@ -50,6 +52,9 @@ if TYPE_CHECKING:
 _R = spans.ReuseOutcome
 _S = spans.SpanName
 _NORMAL_FINISH = ("FINISHED_LENGTH_CAPPED", "FINISHED_STOPPED")
+_NOTHING: Final = MappingProxyType({})
+"""kvtune's per-request maps before :meth:`_SchedulerHooks._kvt_init` (empty, read-only): the
+per-step overrides test them before calling a hook."""
 
 
 @dataclass(slots=True)
@@ -59,10 +64,14 @@ class _ReqState:
     request_id: str
     base_id: str
     traceparent: str
+    """The ``traceparent`` the request came with ("" without one: the worker side derives the
+    same context from ``base_id``)."""
     conversation_id: str | None
     turn: int | None
     leg: spans.Role | None
     """The leg the request serves on this engine (:func:`kvtune.vllm_pd.leg_role`)."""
+    sc: SpanContext | None
+    """Context the request came with (its ``traceparent`` parsed once); None without one."""
     scheduled_ns: int | None = None
     local_cached: int = 0
     external: int = 0
@@ -70,6 +79,16 @@ class _ReqState:
     decided: bool = False
     decision_ns: int | None = None
     queued: bool = False
+
+    @property
+    def parent(self) -> SpanContext | str:
+        """Parent of the request's spans for :meth:`Emitter.emit`: the given context, else the
+        base id (the context derived from it is made off the engine thread)."""
+        return self.sc if self.sc is not None else self.base_id
+
+    def parent_context(self) -> SpanContext:
+        """The parent as a context (derived here when none came)."""
+        return self.sc if self.sc is not None else derived_span_context(self.base_id)
 
 
 def _int_or_none(value: Any) -> int | None:
@@ -83,6 +102,13 @@ class _SchedulerHooks:
     """Mixed into vLLM's pull/push scheduler classes (before them in the MRO)."""
 
     _KVT_MODE = spans.Mode.PULL
+    _KVT_VLLM: Any = None
+    """The vLLM class this mixes into: the per-step overrides call its methods directly (a
+    zero-argument ``super()`` costs a step more than the rest of the override)."""
+    # Until _kvt_init (or when it failed): nothing to do on a step.
+    _kvt_outbox: Any = _NOTHING
+    _kvt_kv_ready: Any = _NOTHING
+    _kvt_idle: IdleStepWait | None = None
 
     def _kvt_setup(self) -> None:
         cfg = self.vllm_config.kv_transfer_config
@@ -100,7 +126,8 @@ class _SchedulerHooks:
         self._kvt_role = emitter.role
         self._kvt_mode = emitter.mode
         self._kvt_reqs: dict[str, _ReqState] = {}
-        self._kvt_outbox: dict[str, ReqTrace] = {}
+        self._kvt_outbox: dict[str, dict[str, Any]] = {}
+        """Per request: the :class:`ReqTrace` fields for the next metadata."""
         self._kvt_kv_ready: dict[str, int] = {}
 
     # --- vLLM methods (vLLM's own first, unchanged result, then the hook) ------------------
@@ -123,17 +150,18 @@ class _SchedulerHooks:
 
     @compat.overrides(_S.DECODE_START, "metadata to workers")
     def build_connector_meta(self, scheduler_output: Any) -> Any:
-        meta = super().build_connector_meta(scheduler_output)
-        GUARD.run("scheduler.meta", self._kvt_on_meta, meta, scheduler_output)
-        idle = getattr(self, "_kvt_idle", None)
-        if idle is not None:
-            GUARD.run("scheduler.idle_wait", idle.after_schedule, scheduler_output)
+        meta = self._KVT_VLLM.build_connector_meta(self, scheduler_output)
+        if self._kvt_outbox or self._kvt_kv_ready:  # else a step costs kvtune two tests
+            GUARD.run("scheduler.meta", self._kvt_on_meta, meta, scheduler_output)
+        if self._kvt_idle is not None:
+            GUARD.run("scheduler.idle_wait", self._kvt_idle.after_schedule, scheduler_output)
         return meta
 
     @compat.overrides(_S.DECODE_START)
     def update_connector_output(self, connector_output: Any) -> None:
-        super().update_connector_output(connector_output)
-        GUARD.run("scheduler.output", self._kvt_on_output, connector_output)
+        self._KVT_VLLM.update_connector_output(self, connector_output)
+        if connector_output.finished_recving:
+            GUARD.run("scheduler.output", self._kvt_on_output, connector_output)
 
     @compat.overrides(_S.PREFILL, _S.RETENTION, _S.RENDEZVOUS)
     def request_finished(self, request: Request, block_ids: Any
@@ -158,12 +186,12 @@ class _SchedulerHooks:
             # On the decode the forward transfer is named after the prefill's request.
             remote = params.get(REMOTE_REQUEST_ID) if params.get(DO_REMOTE_PREFILL) else None
             base = base_request_id(str(remote) if remote else request.request_id)
-            sc = request_span_context(base, trace_headers=getattr(request, "trace_headers", None),
-                                      kv_params=params)
-            st = _ReqState(request.request_id, base, traceparent_of(sc),
+            sc = given_span_context(trace_headers=getattr(request, "trace_headers", None),
+                                    kv_params=params)
+            st = _ReqState(request.request_id, base, traceparent_of(sc) if sc is not None else "",
                            _str_or_none(params.get(spans.KV_PARAMS_CONVERSATION_ID)),
                            _int_or_none(params.get(spans.KV_PARAMS_TURN)),
-                           leg or leg_role(params))
+                           leg or leg_role(params), sc)
             self._kvt_reqs[request.request_id] = st
         return st
 
@@ -171,9 +199,12 @@ class _SchedulerHooks:
         """Queue (or update) what the worker side should know about ``st``'s request."""
         prev = self._kvt_outbox.get(st.request_id)
         if prev is None:
-            prev = ReqTrace(st.request_id, st.base_id, st.traceparent,
-                            conversation_id=st.conversation_id, turn=st.turn, leg=st.leg)
-        self._kvt_outbox[st.request_id] = dataclasses.replace(prev, **fields)
+            self._kvt_outbox[st.request_id] = {
+                "request_id": st.request_id, "base_id": st.base_id,
+                "traceparent": st.traceparent, "conversation_id": st.conversation_id,
+                "turn": st.turn, "leg": st.leg, **fields}
+        else:
+            prev.update(fields)
 
     def _kvt_conv(self, st: _ReqState) -> dict[str, Any]:
         return {spans.CONVERSATION_ID: st.conversation_id, spans.TURN: st.turn}
@@ -201,10 +232,10 @@ class _SchedulerHooks:
             return
         t = now_ns()
         start = min(int(arrival * 1e9), t)
-        sc = parse_traceparent(st.traceparent) or derived_span_context(st.base_id)
-        self._kvt.emit(spans.SpanName.QUEUE, sc, start, t, lambda: {
-            spans.REQUEST_ID: request.request_id, spans.BASE_REQUEST_ID: st.base_id,
-            **self._kvt_conv(st), spans.PROMPT_TOKENS: int(request.num_prompt_tokens)},
+        rid, prompt = request.request_id, request.num_prompt_tokens
+        self._kvt.emit(spans.SpanName.QUEUE, st.parent, start, t, lambda: {
+            spans.REQUEST_ID: rid, spans.BASE_REQUEST_ID: st.base_id,
+            **self._kvt_conv(st), spans.PROMPT_TOKENS: int(prompt)},
             role=st.leg)
 
     def _kvt_reuse_decision(self, request: Request, st: _ReqState, params: dict[str, Any],
@@ -226,16 +257,16 @@ class _SchedulerHooks:
             outcome = _R.RECOMPUTE
         if remote_id:
             base = base_request_id(str(remote_id))
-            sc = (parse_traceparent(params.get(spans.KV_PARAMS_RETAINED_TRACEPARENT))
-                  or derived_span_context(base))
+            sc = parse_traceparent(params.get(spans.KV_PARAMS_RETAINED_TRACEPARENT)) or base
             tid_attrs = transfer_attrs(base, spans.Direction.REVERSE, request.request_id)
         else:
-            sc = parse_traceparent(st.traceparent) or derived_span_context(st.base_id)
+            sc = st.parent
             tid_attrs = {spans.REQUEST_ID: request.request_id, spans.BASE_REQUEST_ID: st.base_id}
+        prompt = request.num_prompt_tokens
         self._kvt.emit(spans.SpanName.REUSE_DECISION, sc, t, now_ns(), lambda: {
             **tid_attrs, **self._kvt_conv(st), spans.REUSE_OUTCOME: outcome.value,
             spans.REUSE_REMOTE_TOKENS: remote_tokens, spans.REUSE_THRESHOLD_TOKENS: threshold,
-            spans.PROMPT_TOKENS: int(request.num_prompt_tokens)}, role=spans.Role.PREFILL)
+            spans.PROMPT_TOKENS: int(prompt)}, role=spans.Role.PREFILL)
 
     def _kvt_on_alloc(self, request: Request, blocks: Any, num_external_tokens: int,
                       pre: tuple[bool, bool] | None) -> None:
@@ -266,7 +297,7 @@ class _SchedulerHooks:
 
     def _kvt_on_meta(self, meta: Any, scheduler_output: Any) -> None:
         if self._kvt_outbox:
-            meta.kvtune_reqs = self._kvt_outbox
+            meta.kvtune_reqs = {rid: ReqTrace(**f) for rid, f in self._kvt_outbox.items()}
             self._kvt_outbox = {}
         if self._kvt_kv_ready:
             scheduled = scheduler_output.num_scheduled_tokens or {}
@@ -275,10 +306,8 @@ class _SchedulerHooks:
                 st = self._kvt_reqs.get(rid)
                 if st is None:
                     continue
-                sc = parse_traceparent(st.traceparent) or derived_span_context(st.base_id)
-                self._kvt.emit(spans.SpanName.DECODE_START, sc, ready_ns, now_ns(), lambda: {
-                    **transfer_attrs(st.base_id, spans.Direction.FORWARD, rid),
-                    **self._kvt_conv(st), spans.TOKENS: st.external}, role=spans.Role.DECODE)
+                self._kvt.emit(spans.SpanName.DECODE_START, st.parent, ready_ns, now_ns(),
+                               _decode_start_attrs(st, rid, st.external), role=spans.Role.DECODE)
 
     def _kvt_on_output(self, connector_output: Any) -> None:
         done = connector_output.finished_recving
@@ -302,12 +331,11 @@ class _SchedulerHooks:
         if st is None:
             return
         t = now_ns()
-        sc = parse_traceparent(st.traceparent) or derived_span_context(st.base_id)
         if params.get(DO_REMOTE_DECODE) and st.scheduled_ns is not None:
             prompt = int(request.num_prompt_tokens)
             cached = min(prompt, st.local_cached + st.external)
             ok = status_name in _NORMAL_FINISH
-            self._kvt.emit(spans.SpanName.PREFILL, sc, st.scheduled_ns, t, lambda: {
+            self._kvt.emit(spans.SpanName.PREFILL, st.parent, st.scheduled_ns, t, lambda: {
                 **transfer_attrs(st.base_id, spans.Direction.FORWARD, rid),
                 **self._kvt_conv(st), spans.PROMPT_TOKENS: prompt, spans.CACHED_TOKENS: cached,
                 spans.COMPUTED_TOKENS: prompt - cached}, error=None if ok else status_name.lower(),
@@ -319,15 +347,24 @@ class _SchedulerHooks:
               and result[1] is not None):
             # Decode keeps the blocks for the next turn: the retention begins.
             out = result[1]
-            out[spans.KV_PARAMS_RETAINED_TRACEPARENT] = traceparent_of(sc)
+            traceparent = traceparent_of(st.parent_context())
+            out[spans.KV_PARAMS_RETAINED_TRACEPARENT] = traceparent
             if st.conversation_id is not None:
                 out.setdefault(spans.KV_PARAMS_CONVERSATION_ID, st.conversation_id)
             if st.turn is not None:
                 out.setdefault(spans.KV_PARAMS_TURN, st.turn)
             # Retained blocks belong to this decode's own request (named after its own id).
-            self._kvt_trace(st, base_id=base_request_id(rid), mark_ns=t,
+            self._kvt_trace(st, base_id=base_request_id(rid), traceparent=traceparent, mark_ns=t,
                             ttl_s=float(getattr(self, "decoder_kv_blocks_ttl", 0)),
                             tokens=_int_or_none(out.get(REMOTE_NUM_TOKENS)))
+
+
+def _decode_start_attrs(st: _ReqState, rid: str, tokens: int) -> Any:
+    """``kv.decode_start``'s attributes, bound to this request's values now (they are built
+    later, on the span builder's thread)."""
+    return lambda: {**transfer_attrs(st.base_id, spans.Direction.FORWARD, rid),
+                    spans.CONVERSATION_ID: st.conversation_id, spans.TURN: st.turn,
+                    spans.TOKENS: tokens}
 
 
 def _str_or_none(value: Any) -> str | None:
@@ -344,6 +381,7 @@ class KvtunePullScheduler(_SchedulerHooks, NixlPullConnectorScheduler):
     """vLLM's pull (READ) scheduler, plus kvtune's spans."""
 
     _KVT_MODE = spans.Mode.PULL
+    _KVT_VLLM = NixlPullConnectorScheduler
 
     @compat.overrides("scheduler state")
     def __init__(self, vllm_config: Any, engine_id: str, kv_cache_config: Any) -> None:
@@ -356,6 +394,7 @@ class KvtunePushScheduler(_SchedulerHooks, NixlPushConnectorScheduler):
     """vLLM's push (WRITE) scheduler, plus kvtune's spans."""
 
     _KVT_MODE = spans.Mode.PUSH
+    _KVT_VLLM = NixlPushConnectorScheduler
 
     @compat.overrides("scheduler state")
     def __init__(self, vllm_config: Any, engine_id: str, kv_cache_config: Any) -> None:

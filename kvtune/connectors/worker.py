@@ -104,9 +104,11 @@ class _WorkerHooks:
         return info.leg if info is not None and info.leg is not None else unknown
 
     def _kvt_forward_target_sc(self, rid: str) -> tuple[Any, str, ReqTrace | None]:
+        """(parent for :meth:`Emitter.emit`, base id, what the scheduler told) of ``rid``'s
+        forward transfer."""
         info = self._kvt_reqs.get(rid)
         base = info.base_id if info is not None else base_request_id(rid)
-        sc = info.span_context() if info is not None else derived_span_context(base)
+        sc = info.parent() if info is not None else base
         return sc, base, info
 
     def _kvt_notify(self, rid: str, direction: spans.Direction, sc: Any, base: str,
@@ -120,7 +122,7 @@ class _WorkerHooks:
         info = self._kvt_retained.pop(rid, None)
         if info is None or info.mark_ns is None:
             return
-        self._kvt.emit(_S.RETENTION, info.span_context(), info.mark_ns, now_ns(), lambda: {
+        self._kvt.emit(_S.RETENTION, info.parent(), info.mark_ns, now_ns(), lambda: {
             **transfer_attrs(info.base_id, _D.REVERSE, rid), **request_attrs(info),
             spans.TOKENS: info.tokens, spans.RETENTION_TTL_S: info.ttl_s,
             spans.RETENTION_OUTCOME: outcome.value}, role=_DEC)
@@ -156,7 +158,7 @@ class _WorkerHooks:
             direction = _D.FORWARD
             base = info.base_id if info is not None else base_request_id(
                 remote_request_id if op is spans.NixlOp.READ else request_id)
-            sc = info.span_context() if info is not None else derived_span_context(base)
+            sc = info.parent() if info is not None else base
         block_ids = getattr(read_spec, "local_block_ids", None)
         tokens = info.tokens if info is not None else None
         if op is spans.NixlOp.WRITE:
@@ -173,7 +175,7 @@ class _WorkerHooks:
         for rid in notified:
             if rid in self._kvt_retained:
                 info = self._kvt_retained[rid]
-                self._kvt_notify(rid, _D.REVERSE, info.span_context(), info.base_id, info, _DEC)
+                self._kvt_notify(rid, _D.REVERSE, info.parent(), info.base_id, info, _DEC)
                 self._kvt_retention_end(rid, spans.RetentionOutcome.REUSED)
             else:
                 sc, base, info = self._kvt_forward_target_sc(rid)
@@ -244,7 +246,8 @@ class KvtunePullWorker(_WorkerHooks, NixlPullConnectorWorker):
 
     @compat.overrides("metadata from scheduler")
     def start_load_kv(self, metadata: Any) -> None:
-        GUARD.run("worker.metadata", self._kvt_on_metadata, metadata)
+        if getattr(metadata, "kvtune_reqs", None):  # else a step costs kvtune one test
+            GUARD.run("worker.metadata", self._kvt_on_metadata, metadata)
         return super().start_load_kv(metadata)
 
     @compat.overrides(_S.HANDSHAKE)
@@ -325,7 +328,8 @@ class KvtunePushWorker(_WorkerHooks, NixlPushConnectorWorker):
 
     @compat.overrides("metadata from scheduler")
     def start_load_kv(self, metadata: Any) -> None:
-        GUARD.run("worker.metadata", self._kvt_on_metadata, metadata)
+        if getattr(metadata, "kvtune_reqs", None):  # else a step costs kvtune one test
+            GUARD.run("worker.metadata", self._kvt_on_metadata, metadata)
         return super().start_load_kv(metadata)
 
     # D side (writer thread): registration sent to the prefill.
@@ -348,10 +352,10 @@ class KvtunePushWorker(_WorkerHooks, NixlPushConnectorWorker):
     def _kvt_on_registered(self, req_id: str, reg_data: dict[str, Any]) -> None:
         sc, base, info = self._kvt_forward_target_sc(req_id)
         start = info.mark_ns if info is not None and info.mark_ns is not None else now_ns()
+        remote, blocks = str(reg_data.get(REMOTE_ENGINE_ID)), reg_data.get("local_block_ids")
         self._kvt.emit(_S.REGISTRATION, sc, start, now_ns(), lambda: {
             **transfer_attrs(base, _D.FORWARD, req_id), **request_attrs(info),
-            spans.REMOTE_ENGINE_ID: str(reg_data.get(REMOTE_ENGINE_ID)),
-            spans.BLOCKS: count_blocks(reg_data.get("local_block_ids")),
+            spans.REMOTE_ENGINE_ID: remote, spans.BLOCKS: count_blocks(blocks),
             spans.TOKENS: info.tokens if info is not None else None}, role=_DEC)
 
     # P side (writer thread): registration received; rendezvous with the finished prefill.
