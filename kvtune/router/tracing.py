@@ -220,6 +220,20 @@ async def _on_sent(session: Any, ctx: Any, params: Any) -> None:
         record.request_bytes += len(params.chunk)
 
 
+def leg_connection(reused: bool) -> None:
+    """The current leg goes over a kept-alive connection (``reused``) or a new one."""
+    record = _LEG.get()
+    if record is not None and record.reused is None:
+        record.reused = reused
+
+
+def leg_request_sent(n_bytes: int) -> None:
+    """The current leg's request body of ``n_bytes`` was sent."""
+    record = _LEG.get()
+    if record is not None:
+        record.request_bytes += n_bytes
+
+
 def leg_body_read(n_bytes: int) -> None:
     """The current leg's answer body grew by ``n_bytes``: for bodies read from the stream (the
     router's capped reads), which aiohttp's chunk signal does not see."""
