@@ -67,8 +67,9 @@ import time
 import uuid
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import Any, TypeVar, cast
 
 import aiohttp
 from aiohttp import web
@@ -84,7 +85,8 @@ from kvtune.router.config import InstanceConfig, RouterConfig
 from kvtune.router.pool import InstancePool
 from kvtune.router.parsing import (MAX_CLIENT_REQUEST_ID_CHARS, REQUEST_ID_HEADER, RequestRejected,
                                    parse_request, text_problem)
-from kvtune.router.state import ConversationStore, TurnStart, open_store
+from kvtune.router.state import (SQLITE_ON_LOOP_BUSY_TIMEOUT_S, ConversationStore,
+                                 SqliteConversationStore, TurnStart, open_store)
 from kvtune.router.upstream import AnswerTooLarge, UpstreamClient, UpstreamProtocolError
 from kvtune.router.tracing import (TRACEPARENT_HEADER, TRACER_NAME, begin_phases,
                                    client_span_context, client_trace_config, current_traceparent,
@@ -92,6 +94,7 @@ from kvtune.router.tracing import (TRACEPARENT_HEADER, TRACER_NAME, begin_phases
                                    set_attributes)
 
 _logger = logging.getLogger(__name__)
+_T = TypeVar("_T")
 
 FAILED_LEG_HEADER = "X-Kvtune-Failed-Leg"
 """Response header naming the leg (``prefill`` or ``decode``) that failed."""
@@ -487,7 +490,11 @@ class Router:
         self.on_leg = on_leg
         self.trusted_client = trusted_client
         self.store = store if store is not None else open_store(
-            config.state, params_ttl_s=config.params_ttl_s, retention_s=config.state_retention_s)
+            config.state, params_ttl_s=config.params_ttl_s, retention_s=config.state_retention_s,
+            sqlite_busy_timeout_s=SQLITE_ON_LOOP_BUSY_TIMEOUT_S)
+        self._store_on_loop = isinstance(self.store, SqliteConversationStore)
+        """SQLite's calls run on the event loop; another store's on :attr:`_state_thread`."""
+        self._state_thread: ThreadPoolExecutor | None = None
         self.tracer = tracer if tracer is not None else trace.get_tracer(TRACER_NAME)
         self.prefill = InstancePool("prefill", config.prefill)
         self.decode = InstancePool("decode", config.decode)
@@ -556,6 +563,9 @@ class Router:
             self._runner = None
         if self._listener is not None:
             self._listener = None
+        if self._state_thread is not None:
+            self._state_thread.shutdown(wait=True)
+            self._state_thread = None
         try:
             self.store.close()
         except Exception:
@@ -723,6 +733,15 @@ class Router:
             spans.ERROR_TYPE: type(exc).__name__,
             spans.EXCEPTION_MESSAGE: f"{operation}: {message}"[:1000]}))
 
+    async def _state_call(self, fn: Callable[..., _T], *args: Any) -> _T:
+        """Run one store call: on the event loop (SQLite) or on the store's one worker thread
+        (calls run in the order issued)."""
+        if self._store_on_loop:
+            return fn(*args)
+        if self._state_thread is None:
+            self._state_thread = ThreadPoolExecutor(1, thread_name_prefix="kvtune-router-state")
+        return await asyncio.get_running_loop().run_in_executor(self._state_thread, fn, *args)
+
     async def _route(self, request: web.Request, body: dict[str, Any],
                      call: _Call) -> web.StreamResponse:
         start: TurnStart | None = None
@@ -730,7 +749,7 @@ class Router:
         claim = binding.Claim(body, call.endpoint == CHAT_PATH) if bidirectional else None
         if call.conversation_id is not None:
             try:
-                start = await asyncio.to_thread(self.store.begin_turn, call.store_key, claim)
+                start = await self._state_call(self.store.begin_turn, call.store_key, claim)
             except Exception as exc:  # a store failure never fails the request
                 self._state_failed(call, "begin_turn", exc)
             else:
@@ -1055,8 +1074,8 @@ class Router:
                                    vllm_pd.offered_tokens(params))
                 return
             try:
-                await asyncio.to_thread(self.store.store_params, call.store_key,
-                                        binding.bind(params, history), inst.url)
+                await self._state_call(self.store.store_params, call.store_key,
+                                       binding.bind(params, history), inst.url)
             except Exception as exc:  # the answer is already the client's
                 self._state_failed(call, "store_params", exc)
 
