@@ -76,6 +76,8 @@ def current_traceparent() -> str | None:
 
 def client_span_context(headers: Mapping[str, str]) -> trace.SpanContext | None:
     """The span context a client sent in its ``traceparent`` header, if valid (used as a link)."""
+    if TRACEPARENT_HEADER not in headers:  # most requests: nothing to extract
+        return None
     try:
         ctx = _PROPAGATOR.extract(dict(headers))
         sc = trace.get_current_span(ctx).get_span_context()
