@@ -17,7 +17,11 @@ Redis rows need a ``redis-server`` binary (``scripts/setup.sh --test`` installs 
 run says ``redis: skipped (no redis-server)``.
 
     .venv/bin/python bench/router.py [--requests 300] [--mode pull --mode bidirectional]
-                                     [--state sqlite --state redis]
+                                     [--state sqlite --state redis] [--cprofile DIR]
+
+With ``--cprofile DIR`` each router process runs under cProfile (``DIR/<mode>-<state>.prof``) and
+the run prints where its time went, by part (own time of the functions in each part; the timings
+of such a run are inflated by the profiler and not the result).
 """
 from __future__ import annotations
 
@@ -26,6 +30,7 @@ import contextlib
 import http.client
 import json
 import os
+import pstats
 import shutil
 import socket
 import statistics
@@ -155,14 +160,63 @@ def redis_server(workdir: str) -> Iterator[str]:
         proc.wait(10)
 
 
+PROFILE_PARTS = (
+    ("spans (OpenTelemetry SDK, phase spans)", ("opentelemetry/", "kvtune/router/tracing.py")),
+    ("conversation store", ("kvtune/router/state.py", "sqlite3", "concurrent/futures/",
+                            "threading.py", "asyncio/threads.py", "queue.py")),
+    ("binding (history digests)", ("kvtune/router/binding.py", "hashlib", "_hashlib")),
+    ("request parsing, redaction", ("kvtune/router/parsing.py", "kvtune/redact.py")),
+    ("JSON encode/decode", ("/json/", "_json.")),
+    ("socket send/recv syscalls", ("method 'send' of", "method 'recv' of", "method 'sendmsg'")),
+    ("waiting for I/O (idle)", ("method 'poll' of", "selectors.py")),
+    ("upstream legs (HTTP client)", ("kvtune/router/upstream.py", "aiohttp/client",
+                                     "aiohttp/connector")),
+    ("router handler (server.py)", ("kvtune/router/server.py", "kvtune/vllm_pd.py",
+                                    "kvtune/router/pool.py", "uuid.py")),
+    ("aiohttp server (parse, respond)", ("aiohttp/", "multidict", "yarl")),
+    ("event loop", ("asyncio/",)),
+)
+"""Parts of a router's time, by the file (or built-in) that spends it; the first match wins."""
+
+
+def profile_parts(path: str, requests: int) -> list[tuple[str, float]]:
+    """Own time per request (ms) of each :data:`PROFILE_PARTS` part (and "other") in a cProfile
+    file, start-up imports left out."""
+    totals: dict[str, float] = {}
+    for (filename, _, name), row in pstats.Stats(path).stats.items():  # type: ignore[attr-defined]
+        where = f"{filename}:{name}"
+        if "importlib" in where or name in ("<module>", "<built-in method builtins.exec>",
+                                            "<built-in method builtins.compile>",
+                                            "<built-in method marshal.loads>"):
+            continue
+        part = next((p for p, keys in PROFILE_PARTS if any(k in where for k in keys)), "other")
+        totals[part] = totals.get(part, 0.0) + row[2]
+    return sorted(((p, t * 1000.0 / requests) for p, t in totals.items()), key=lambda x: -x[1])
+
+
 def measure(mode: str, state: str, state_spec: str, requests: int, workdir: str,
-            *, progress: bool = True) -> Result:
+            *, progress: bool = True, cprofile: str | None = None) -> Result:
     """Run ``requests`` alternating direct and routed requests (after a warm-up) in ``mode``
-    against a router whose conversation store is ``state_spec``."""
+    against a router whose conversation store is ``state_spec`` (with ``cprofile``, a path: the
+    router process runs under cProfile and writes its profile there)."""
     bidirectional = mode == "bidirectional"
+    python, env = sys.executable, None
+    if cprofile is not None:
+        # Profiled on asyncio's own loop: uvloop's C loop would hide waiting and socket calls
+        # inside its callers' own time (an importable "uvloop" that fails makes the router fall
+        # back to asyncio).
+        python = os.path.join(workdir, "python-cprofile.sh")
+        with open(python, "w") as fh:
+            fh.write(f'#!/bin/sh\nexec {sys.executable} -m cProfile -o {cprofile} "$@"\n')
+        os.chmod(python, 0o755)
+        os.makedirs(os.path.join(workdir, "no-uvloop", "uvloop"), exist_ok=True)
+        with open(os.path.join(workdir, "no-uvloop", "uvloop", "__init__.py"), "w") as fh:
+            fh.write("raise ImportError('profiled on asyncio\\'s loop')\n")
+        env = {"PYTHONPATH": os.pathsep.join(
+            p for p in (os.path.join(workdir, "no-uvloop"), os.environ.get("PYTHONPATH")) if p)}
     with StandInVllmCluster(1, 1, bidirectional=bidirectional) as cluster:
         config = cluster.router_config(mode, state=state_spec)
-        with RouterProcess(config, workdir=workdir) as router:
+        with RouterProcess(config, workdir=workdir, python=python, env=env) as router:
             assert router.proc is not None
             prefill, decode = KeepAlive(cluster.prefill[0].url), KeepAlive(cluster.decode[0].url)
             routed = KeepAlive(router.url)
@@ -231,6 +285,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--state", choices=STATES, action="append",
                     help="conversation store (repeatable; default: both, Redis if available)")
     ap.add_argument("--no-progress", action="store_true", help="no progress bars")
+    ap.add_argument("--cprofile", metavar="DIR",
+                    help="run each router under cProfile, write DIR/<mode>-<state>.prof, print "
+                         "its time by part")
     args = ap.parse_args(argv)
     if args.requests < 10:
         ap.error("--requests: expected at least 10 (p90 needs them)")
@@ -249,10 +306,20 @@ def main(argv: list[str] | None = None) -> int:
                 with contextlib.ExitStack() as stack:
                     spec = (stack.enter_context(redis_server(workdir)) if state == "redis"
                             else f"sqlite:{workdir}/state.db")
+                    prof = None
+                    if args.cprofile:
+                        os.makedirs(args.cprofile, exist_ok=True)
+                        prof = os.path.abspath(os.path.join(args.cprofile, f"{mode}-{state}.prof"))
                     r = measure(mode, state, spec, args.requests, workdir,
-                                progress=not args.no_progress)
+                                progress=not args.no_progress, cprofile=prof)
                 results.append(r)
                 print(report(r), flush=True)
+                if prof is not None:
+                    parts = profile_parts(prof, args.requests + WARMUP_REQUESTS)
+                    print(f"  profile {prof} (asyncio loop, cProfile: inflated): own time per "
+                          f"request in ms, total {sum(t for _, t in parts):.2f}")
+                    for part, ms in parts:
+                        print(f"    {ms:6.3f}  {part}")
     if results:
         print("summary: " + "; ".join(f"{r.mode}/{r.state} +{r.added_median_ms:.2f} ms "
                                       f"(p90 +{r.added_p90_ms:.2f}) {'MET' if r.met else 'NOT MET'}"

@@ -30,7 +30,11 @@ upstream), the W3C ``traceparent`` header, and the same traceparent inside
   A failing conversation store never fails the request: the turn is served without history and a
   ``kv.router.state_error`` span event says why.
 
-The parameters of each leg are built by :mod:`kvtune.vllm_pd` (the protocol's one home).
+The parameters of each leg are built by :mod:`kvtune.vllm_pd` (the protocol's one home). JSON
+legs go over :mod:`kvtune.router.upstream` (kept-alive HTTP/1.1, little CPU per leg); streamed
+decodes and ``/v1/models`` over aiohttp's client. The conversation store's calls run on the event
+loop for SQLite and on one worker thread otherwise (:mod:`kvtune.router.state`); a turn's params are
+stored before its reply is sent, so a router killed after the reply still has them.
 
 The conversation id comes from the body field ``conversation_id`` (removed before forwarding) or
 the header ``spans.CONVERSATION_HEADER``. Bad input (not JSON, too deep, a conversation id that is
