@@ -15,8 +15,8 @@ pytestmark = pytest.mark.timeout(60)
 
 
 class CannedServer:
-    """A fake upstream: answers each request (read up to its body) with the next canned bytes;
-    records the raw requests and counts connections."""
+    """A fake upstream: answers each request (read up to its body) with the next canned bytes
+    (``b""``: closes the connection instead); records the raw requests and counts connections."""
 
     def __init__(self, answers: list[bytes]) -> None:
         self.answers = list(answers)
@@ -33,6 +33,8 @@ class CannedServer:
                               if line.lower().startswith(b"content-length:"))
                 self.requests.append(head + await reader.readexactly(length))
                 answer = self.answers.pop(0)
+                if not answer:  # b"": drop the connection without answering
+                    break
                 writer.write(answer)
                 await writer.drain()
                 if b"Connection: close" in answer or b"Content-Length" not in answer \
@@ -142,4 +144,28 @@ def test_url_credentials_are_sent_as_basic_auth_and_win_over_a_forwarded_header(
             assert f"Authorization: Basic {base64.b64encode(b'user:p@ss').decode()}".encode() \
                 in head
             assert b"Bearer client" not in head and b"X-Request-Id: r1\r\n" in head
+    asyncio.run(run())
+
+
+def test_a_kept_alive_connection_dropped_before_answering_is_replaced_once():
+    async def run() -> None:
+        async with CannedServer([_ok(b'{"a": 1}'), b"", _ok(b'{"b": 2}')]) as server:
+            client = UpstreamClient(connect_timeout_s=5)
+            await _post(client, server.url)
+            assert (await _post(client, server.url)).body == b'{"b": 2}'
+            assert server.connections == 2 and len(server.requests) == 3
+            client.close()
+        # a new connection that closes without answering is not retried
+        async with CannedServer([b"", _ok(b"{}")]) as server:
+            with pytest.raises(UpstreamProtocolError, match="closed"):
+                await _post(UpstreamClient(connect_timeout_s=5), server.url)
+            assert server.connections == 1
+        # nor is a reused one that closed mid-answer (the request may have run)
+        cut = b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\nConnection: close\r\n\r\n{"
+        async with CannedServer([_ok(b"{}"), cut, _ok(b"{}")]) as server:
+            client = UpstreamClient(connect_timeout_s=5)
+            await _post(client, server.url)
+            with pytest.raises(UpstreamProtocolError, match="closed"):
+                await _post(client, server.url)
+            client.close()
     asyncio.run(run())

@@ -69,12 +69,15 @@ class _Connection(asyncio.Protocol):
         self.lost: BaseException | None = None
         self._waiter: asyncio.Future[None] | None = None
         self.idle_since = 0.0
+        self.received = 0
+        """Bytes received on this connection (all answers)."""
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
 
     def data_received(self, data: bytes) -> None:
         self.buf += data
+        self.received += len(data)
         self._wake()
 
     def eof_received(self) -> bool:
@@ -142,12 +145,14 @@ class UpstreamClient:
             self._origins[base_url] = origin
         return origin
 
-    async def _connection(self, origin: _Origin) -> tuple[_Connection, bool]:
-        """A kept-alive connection to ``origin`` (reused: True) or a new one (False)."""
+    async def _connection(self, origin: _Origin, *,
+                          fresh: bool = False) -> tuple[_Connection, bool]:
+        """A kept-alive connection to ``origin`` (reused: True) or a new one (False; always with
+        ``fresh``)."""
         idle = self._idle.get(origin)
         loop = asyncio.get_running_loop()
         now = loop.time()
-        while idle:
+        while idle and not fresh:
             conn = idle.pop()
             if conn.usable and now - conn.idle_since < IDLE_TIMEOUT_S:
                 return conn, True
@@ -174,10 +179,27 @@ class UpstreamClient:
         """POST ``body`` (JSON bytes) to ``base_url + path`` and read the whole answer: a 200's body
         up to ``limit`` bytes (more raises :class:`AnswerTooLarge`), another status's first
         ``error_limit`` bytes. Raises :class:`UpstreamProtocolError` or ``OSError`` when the
-        exchange fails; the caller bounds its time (the connection is closed when cancelled)."""
+        exchange fails; the caller bounds its time (the connection is closed when cancelled).
+
+        A kept-alive connection that turns out closed before any byte of the answer arrived (the
+        server dropped it as idle while the request was on its way) is replaced once and the
+        request sent again, as the Redis store does (:mod:`kvtune.router.state`)."""
         origin = self._origin(base_url)
         conn, reused = await self._connection(origin)
         leg_connection(reused)
+        if not reused:
+            return await self._exchange(origin, conn, path, body, headers, limit, error_limit)
+        before = conn.received
+        try:
+            return await self._exchange(origin, conn, path, body, headers, limit, error_limit)
+        except (OSError, UpstreamProtocolError):
+            if conn.received != before:
+                raise
+        conn, _ = await self._connection(origin, fresh=True)
+        return await self._exchange(origin, conn, path, body, headers, limit, error_limit)
+
+    async def _exchange(self, origin: _Origin, conn: _Connection, path: str, body: bytes,
+                        headers: Mapping[str, str], limit: int, error_limit: int) -> Answer:
         keep = False
         try:
             head = [f"POST {path} HTTP/1.1\r\nHost: {origin.host_header}\r\n"
