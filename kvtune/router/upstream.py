@@ -49,7 +49,7 @@ class Answer:
     body: bytes
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # one per instance URL (cached): keyed by identity, hashed fast
 class _Origin:
     host: str
     port: int
