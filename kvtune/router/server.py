@@ -30,7 +30,11 @@ upstream), the W3C ``traceparent`` header, and the same traceparent inside
   A failing conversation store never fails the request: the turn is served without history and a
   ``kv.router.state_error`` span event says why.
 
-The parameters of each leg are built by :mod:`kvtune.vllm_pd` (the protocol's one home).
+The parameters of each leg are built by :mod:`kvtune.vllm_pd` (the protocol's one home). JSON
+legs go over :mod:`kvtune.router.upstream` (kept-alive HTTP/1.1, little CPU per leg); streamed
+decodes and ``/v1/models`` over aiohttp's client. The conversation store's calls run on the event
+loop for SQLite and on one worker thread otherwise (:mod:`kvtune.router.state`); a turn's params are
+stored before its reply is sent, so a router killed after the reply still has them.
 
 The conversation id comes from the body field ``conversation_id`` (removed before forwarding) or
 the header ``spans.CONVERSATION_HEADER``. Bad input (not JSON, too deep, a conversation id that is
@@ -67,8 +71,9 @@ import time
 import uuid
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar, cast
 
 import aiohttp
 from aiohttp import web
@@ -84,13 +89,16 @@ from kvtune.router.config import InstanceConfig, RouterConfig
 from kvtune.router.pool import InstancePool
 from kvtune.router.parsing import (MAX_CLIENT_REQUEST_ID_CHARS, REQUEST_ID_HEADER, RequestRejected,
                                    parse_request, text_problem)
-from kvtune.router.state import ConversationStore, TurnStart, open_store
+from kvtune.router.state import (SQLITE_ON_LOOP_BUSY_TIMEOUT_S, ConversationStore,
+                                 SqliteConversationStore, TurnStart, open_store)
+from kvtune.router.upstream import AnswerTooLarge, UpstreamClient, UpstreamProtocolError
 from kvtune.router.tracing import (TRACEPARENT_HEADER, TRACER_NAME, begin_phases,
                                    client_span_context, client_trace_config, current_traceparent,
-                                   end_phases, leg_body_read, leg_ended, leg_started,
+                                   end_phases, leg_ended, leg_started,
                                    set_attributes)
 
 _logger = logging.getLogger(__name__)
+_T = TypeVar("_T")
 
 FAILED_LEG_HEADER = "X-Kvtune-Failed-Leg"
 """Response header naming the leg (``prefill`` or ``decode``) that failed."""
@@ -315,20 +323,6 @@ def _has_text(event: Mapping[str, Any]) -> bool:
     return False
 
 
-async def _read_capped(resp: aiohttp.ClientResponse, limit: int) -> bytes | None:
-    """The answer's (decompressed) body, or None once it grows past ``limit`` bytes (for an error
-    answer: its first ``limit`` bytes)."""
-    buf = bytearray()
-    async for chunk in resp.content.iter_chunked(1 << 16):
-        buf += chunk
-        leg_body_read(len(chunk))
-        if len(buf) > limit:
-            if resp.status != 200:
-                return bytes(buf[:limit])
-            return None
-    return bytes(buf)
-
-
 def _usage(body: Mapping[str, Any], key: str) -> int | None:
     usage = body.get("usage")
     if isinstance(usage, dict) and isinstance(usage.get(key), int):
@@ -359,7 +353,7 @@ class _Busy(asyncio.Protocol):
         self._answer = self.BODY if answer is None else answer
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
+        transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
         transport.write(self._answer)
         asyncio.get_running_loop().call_later(self.LINGER_S, transport.close)
 
@@ -386,7 +380,7 @@ class _HeaderDeadline(asyncio.Protocol):
         self._tail = b""
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
+        transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
         self._transport = transport
         client = self._guard.admit(transport.get_extra_info("peername"))
         if client is None:
@@ -500,11 +494,16 @@ class Router:
         self.on_leg = on_leg
         self.trusted_client = trusted_client
         self.store = store if store is not None else open_store(
-            config.state, params_ttl_s=config.params_ttl_s, retention_s=config.state_retention_s)
+            config.state, params_ttl_s=config.params_ttl_s, retention_s=config.state_retention_s,
+            sqlite_busy_timeout_s=SQLITE_ON_LOOP_BUSY_TIMEOUT_S)
+        self._store_on_loop = isinstance(self.store, SqliteConversationStore)
+        """SQLite's calls run on the event loop; another store's on :attr:`_state_thread`."""
+        self._state_thread: ThreadPoolExecutor | None = None
         self.tracer = tracer if tracer is not None else trace.get_tracer(TRACER_NAME)
         self.prefill = InstancePool("prefill", config.prefill)
         self.decode = InstancePool("decode", config.decode)
         self._session: aiohttp.ClientSession | None = None
+        self._upstream: UpstreamClient | None = None
         self._runner: web.AppRunner | None = None
         self._listener: asyncio.AbstractServer | None = None
         self._connections: _ConnectionGuard | None = None
@@ -531,8 +530,12 @@ class Router:
             connector=aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=30.0),
             timeout=aiohttp.ClientTimeout(total=None, sock_connect=self.config.connect_timeout_s),
             trace_configs=[client_trace_config()])
+        self._upstream = UpstreamClient(connect_timeout_s=self.config.connect_timeout_s)
 
     async def _on_cleanup(self, app: web.Application) -> None:
+        if self._upstream is not None:
+            self._upstream.close()
+            self._upstream = None
         if self._session is not None:
             await self._session.close()
             self._session = None
@@ -564,6 +567,9 @@ class Router:
             self._runner = None
         if self._listener is not None:
             self._listener = None
+        if self._state_thread is not None:
+            self._state_thread.shutdown(wait=True)
+            self._state_thread = None
         try:
             self.store.close()
         except Exception:
@@ -731,6 +737,15 @@ class Router:
             spans.ERROR_TYPE: type(exc).__name__,
             spans.EXCEPTION_MESSAGE: f"{operation}: {message}"[:1000]}))
 
+    async def _state_call(self, fn: Callable[..., _T], *args: Any) -> _T:
+        """Run one store call: on the event loop (SQLite) or on the store's one worker thread
+        (calls run in the order issued)."""
+        if self._store_on_loop:
+            return fn(*args)
+        if self._state_thread is None:
+            self._state_thread = ThreadPoolExecutor(1, thread_name_prefix="kvtune-router-state")
+        return await asyncio.get_running_loop().run_in_executor(self._state_thread, fn, *args)
+
     async def _route(self, request: web.Request, body: dict[str, Any],
                      call: _Call) -> web.StreamResponse:
         start: TurnStart | None = None
@@ -738,7 +753,7 @@ class Router:
         claim = binding.Claim(body, call.endpoint == CHAT_PATH) if bidirectional else None
         if call.conversation_id is not None:
             try:
-                start = await asyncio.to_thread(self.store.begin_turn, call.store_key, claim)
+                start = await self._state_call(self.store.begin_turn, call.store_key, claim)
             except Exception as exc:  # a store failure never fails the request
                 self._state_failed(call, "begin_turn", exc)
             else:
@@ -818,28 +833,27 @@ class Router:
     async def _post_json_once(self, leg: str, inst: InstanceConfig, path: str,
                               body: Mapping[str, Any], headers: Mapping[str, str],
                               total_s: float) -> dict[str, Any]:
-        assert self._session is not None
-        timeout = aiohttp.ClientTimeout(total=total_s, sock_connect=self.config.connect_timeout_s)
+        assert self._upstream is not None
         try:
-            async with self._session.post(inst.url + path, json=body, headers=dict(headers),
-                                          timeout=timeout) as resp:
-                data = await _read_capped(resp, MAX_UPSTREAM_BODY_BYTES if resp.status == 200
-                                          else MAX_UPSTREAM_ERROR_BYTES)
-                if data is None:
-                    raise UpstreamError(leg, inst.url, f"answer larger than "
-                                        f"{MAX_UPSTREAM_BODY_BYTES} bytes (decompressed); not read")
-                if resp.status != 200:
-                    raise UpstreamError(leg, inst.url, f"HTTP {resp.status}: "
-                                        f"{data[:_ERROR_BODY_LIMIT].decode(errors='replace')}",
-                                        status=resp.status, body=data,
-                                        content_type=resp.headers.get("Content-Type"))
+            async with asyncio.timeout(total_s):
+                answer = await self._upstream.post_json(
+                    inst.url, path, json.dumps(body).encode(), headers,
+                    limit=MAX_UPSTREAM_BODY_BYTES, error_limit=MAX_UPSTREAM_ERROR_BYTES)
         except asyncio.TimeoutError:
             raise UpstreamError(leg, inst.url, f"no complete answer within {total_s:g} s") from None
-        except aiohttp.ClientError as exc:
+        except AnswerTooLarge:
+            raise UpstreamError(leg, inst.url, f"answer larger than {MAX_UPSTREAM_BODY_BYTES} "
+                                "bytes (decompressed); not read") from None
+        except (OSError, UpstreamProtocolError) as exc:
             raise UpstreamError(leg, inst.url, f"{type(exc).__name__}: {exc}") from None
+        data = answer.body
+        if answer.status != 200:
+            raise UpstreamError(leg, inst.url, f"HTTP {answer.status}: "
+                                f"{data[:_ERROR_BODY_LIMIT].decode(errors='replace')}",
+                                status=answer.status, body=data, content_type=answer.content_type)
         try:
             parsed = json.loads(data)
-        except ValueError:
+        except (ValueError, RecursionError):
             raise UpstreamError(leg, inst.url, "answer is not JSON") from None
         if not isinstance(parsed, dict):
             raise UpstreamError(leg, inst.url, "answer is not a JSON object")
@@ -1064,8 +1078,8 @@ class Router:
                                    vllm_pd.offered_tokens(params))
                 return
             try:
-                await asyncio.to_thread(self.store.store_params, call.store_key,
-                                        binding.bind(params, history), inst.url)
+                await self._state_call(self.store.store_params, call.store_key,
+                                       binding.bind(params, history), inst.url)
             except Exception as exc:  # the answer is already the client's
                 self._state_failed(call, "store_params", exc)
 
@@ -1204,6 +1218,16 @@ async def serve(config: RouterConfig, *, port_file: str | None = None,
         await router.stop()
 
 
+def _event_loop_runner() -> Callable[[Awaitable[None]], None]:
+    """``uvloop.run`` where uvloop is installed (it is with vLLM; a third less CPU per request in
+    ``bench/router.py``), else ``asyncio.run``."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run  # type: ignore[return-value]
+    return uvloop.run  # type: ignore[no-any-return]
+
+
 def run_router(config: RouterConfig, *, port_file: str | None = None) -> int:
     """Set up telemetry and serve until SIGTERM/SIGINT (the CLI's one call); returns 0."""
     import signal
@@ -1220,7 +1244,7 @@ def run_router(config: RouterConfig, *, port_file: str | None = None) -> int:
         await serve(config, port_file=port_file, stop_event=stop, tracer=tracer)
 
     try:
-        asyncio.run(main())
+        _event_loop_runner()(main())
     finally:
         shutdown()
     return 0

@@ -10,8 +10,10 @@ decode frees the blocks, and expired params are never returned.
 Conversation ids are checked by :func:`check_conversation_id` (a non-empty string, valid UTF-8, at
 most :data:`MAX_CONVERSATION_ID_BYTES`); a store's own failure raises :class:`StateStoreError`.
 
-The stores are synchronous (each call is one short transaction); the server calls them from a
-worker thread.
+The stores are synchronous (each call is one short transaction). The server runs SQLite's calls on
+its event loop (a local transaction takes tens of microseconds, less than handing it to a thread;
+the router opens it with a short busy timeout, :data:`SQLITE_ON_LOOP_BUSY_TIMEOUT_S`) and any other
+store's on one worker thread.
 """
 from __future__ import annotations
 
@@ -34,6 +36,10 @@ from kvtune.vllm_pd import ROUTER_ONLY_KEYS
 Clock = Callable[[], float]
 """Wall-clock seconds since the epoch (``time.time``); injectable for tests."""
 
+SQLITE_ON_LOOP_BUSY_TIMEOUT_S = 0.5
+"""How long the router's SQLite store waits for another process's write lock on its file (the
+router's own calls never wait for each other): the wait blocks the router's event loop, so it is
+short; past it the call fails and the turn is served without history (``kv.router.state_error``)."""
 MAX_CONVERSATION_ID_BYTES = 256
 """Longest conversation id accepted, in UTF-8 bytes: UUIDs take 36, composite ids (tenant, agent,
 session) rarely 100; without a cap each new id can grow the store by the body size (8 MiB)."""
@@ -115,11 +121,12 @@ class SqliteConversationStore:
     """:class:`ConversationStore` in one SQLite file (WAL mode; each call one transaction).
 
     ``params_ttl_s`` is how long stored params are used (``decoder_ttl_s - margin_s``);
-    ``retention_s`` is how long a conversation's row (its turn counter) outlives its last turn.
+    ``retention_s`` is how long a conversation's row (its turn counter) outlives its last turn;
+    ``busy_timeout_s`` how long a call waits for another process's write lock on the file.
     """
 
     def __init__(self, path: str | Path, *, params_ttl_s: float, retention_s: float = 86400.0,
-                 clock: Clock = time.time) -> None:
+                 clock: Clock = time.time, busy_timeout_s: float = 30.0) -> None:
         self.path = str(path)
         self.params_ttl_s = float(params_ttl_s)
         self.retention_s = float(retention_s)
@@ -129,7 +136,7 @@ class SqliteConversationStore:
         if self.path != ":memory:":
             Path(self.path).parent.mkdir(parents=True, exist_ok=True)
         try:
-            self._db = sqlite3.connect(self.path, timeout=30.0, isolation_level=None,
+            self._db = sqlite3.connect(self.path, timeout=busy_timeout_s, isolation_level=None,
                                        check_same_thread=False)
             if self.path != ":memory:":
                 self._db.execute("PRAGMA journal_mode=WAL")
@@ -578,14 +585,16 @@ def _decode_entry(raw: bytes, url: str) -> dict[str, Any]:
 
 
 def open_store(spec: str, *, params_ttl_s: float, retention_s: float = 86400.0,
-               clock: Clock = time.time) -> ConversationStore:
-    """Open the store a config's ``state`` names: ``sqlite:PATH``, ``:memory:`` or ``redis://...``."""
+               clock: Clock = time.time, sqlite_busy_timeout_s: float = 30.0) -> ConversationStore:
+    """Open the store a config's ``state`` names: ``sqlite:PATH``, ``:memory:`` or ``redis://...``
+    (``sqlite_busy_timeout_s``: see :class:`SqliteConversationStore`)."""
     if spec.startswith("redis://"):
         return RedisConversationStore(spec, params_ttl_s=params_ttl_s, retention_s=retention_s,
                                       clock=clock)
     if spec == ":memory:":
         return SqliteConversationStore(":memory:", params_ttl_s=params_ttl_s,
-                                       retention_s=retention_s, clock=clock)
+                                       retention_s=retention_s, clock=clock,
+                                       busy_timeout_s=sqlite_busy_timeout_s)
     if spec.startswith("sqlite:"):
         path = spec[len("sqlite:"):]
         if path.startswith("//"):
@@ -593,5 +602,5 @@ def open_store(spec: str, *, params_ttl_s: float, retention_s: float = 86400.0,
         if not path:
             raise RouterError(f"state {spec!r}: expected sqlite:PATH with a file path")
         return SqliteConversationStore(path, params_ttl_s=params_ttl_s, retention_s=retention_s,
-                                       clock=clock)
+                                       clock=clock, busy_timeout_s=sqlite_busy_timeout_s)
     raise RouterError(f"state {spec!r}: expected 'sqlite:PATH' or 'redis://HOST:PORT/DB'")

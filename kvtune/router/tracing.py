@@ -76,6 +76,8 @@ def current_traceparent() -> str | None:
 
 def client_span_context(headers: Mapping[str, str]) -> trace.SpanContext | None:
     """The span context a client sent in its ``traceparent`` header, if valid (used as a link)."""
+    if TRACEPARENT_HEADER not in headers:  # most requests: nothing to extract
+        return None
     try:
         ctx = _PROPAGATOR.extract(dict(headers))
         sc = trace.get_current_span(ctx).get_span_context()
@@ -221,6 +223,20 @@ async def _on_sent(session: Any, ctx: Any, params: Any) -> None:
     record = _LEG.get()
     if record is not None:
         record.request_bytes += len(params.chunk)
+
+
+def leg_connection(reused: bool) -> None:
+    """The current leg goes over a kept-alive connection (``reused``) or a new one."""
+    record = _LEG.get()
+    if record is not None and record.reused is None:
+        record.reused = reused
+
+
+def leg_request_sent(n_bytes: int) -> None:
+    """The current leg's request body of ``n_bytes`` was sent."""
+    record = _LEG.get()
+    if record is not None:
+        record.request_bytes += n_bytes
 
 
 def leg_body_read(n_bytes: int) -> None:
