@@ -80,3 +80,12 @@ def test_more_starts_while_the_detectable_effect_is_above_the_aim(tmp_path, aim,
     assert told == ["defaults", "bidi"] * rounds  # whole rounds, still alternating
     assert [c.starts for c in res.configs] == [rounds, rounds]
     assert res.comparisons[0].p50.starts == rounds
+
+
+def test_a_round_is_added_only_if_it_and_a_separate_sweep_fit_the_budget():
+    from kvtune.verify.run import fits_budget
+    # three rounds took 210 s (70 s each): one more ends at 280 s, with a sweep of its own 350 s
+    assert fits_budget(210.0, 3, 1, 360.0) and fits_budget(210.0, 3, 2, 360.0)
+    assert not fits_budget(280.0, 4, 2, 360.0)  # 420 s: the sweep would end past six minutes
+    assert fits_budget(280.0, 4, 1, 360.0)      # the sweep rode on a start: 350 s
+    assert fits_budget(1e9, 3, 2, None)

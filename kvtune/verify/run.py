@@ -32,11 +32,21 @@ class MoreStarts:
     """Adaptive starts: after the first ``starts`` rounds, another round of every configuration
     (A B again) while the smallest effect the headline comparisons could detect at p50 exceeds
     ``aim_detectable_pct``, up to ``max_starts`` rounds and while one more round (timed as the
-    rounds so far) still ends within ``budget_s`` of the verification's start."""
+    rounds so far), and the crossover sweep's own deployment where it needs one (timed as a
+    round), still end within ``budget_s`` of the verification's start."""
 
     aim_detectable_pct: float
     max_starts: int
     budget_s: float | None = None
+
+
+def fits_budget(elapsed_s: float, rounds_done: int, rounds_left: int,
+                budget_s: float | None) -> bool:
+    """Whether ``rounds_left`` more rounds, each as long as the mean of the ``rounds_done`` that
+    took ``elapsed_s``, end within ``budget_s`` (None: no budget)."""
+    if budget_s is None:
+        return True
+    return elapsed_s * (rounds_done + rounds_left) / max(rounds_done, 1) <= budget_s
 
 
 def worst_detectable_pct(parts: Mapping[str, Sequence[ConfigResult]], baseline: str | None, *,
@@ -129,10 +139,13 @@ def run_verify(configs: Sequence[VerifyConfig], backend: Backend,
         if worst is None or worst <= more_starts.aim_detectable_pct:
             break
         elapsed = time.monotonic() - t0
-        if more_starts.budget_s is not None and elapsed * (k + 1) / k > more_starts.budget_s:
+        # another round, and the sweep's own deployment still to come (about one round's time)
+        rounds_left = 1 + (1 if crossover is not None and host is None else 0)
+        if not fits_budget(elapsed, k, rounds_left, more_starts.budget_s):
             _say(bar, f"verify: smallest detectable effect {worst:.1f}% > "
                       f"{more_starts.aim_detectable_pct:g}% after {k} starts each, but another "
-                      f"round would end past the {more_starts.budget_s:.0f} s budget", warn=True)
+                      f"round would end the verification past its {more_starts.budget_s:.0f} s "
+                      f"budget", warn=True)
             break
         _say(bar, f"verify: smallest detectable effect {worst:.1f}% > "
                   f"{more_starts.aim_detectable_pct:g}% after {k} starts each: one more start "
