@@ -32,9 +32,7 @@ import json
 import os
 import pstats
 import shutil
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -47,6 +45,7 @@ from tqdm import tqdm
 from kvtune import vllm_pd
 from kvtune.router import RouterProcess
 from kvtune.testing.standin import StandInVllmCluster
+from kvtune.testing.redis_server import redis_server
 
 WARMUP_REQUESTS = 20
 TURNS = 4
@@ -134,30 +133,10 @@ def _cpu_s(pid: int) -> float | None:
 
 
 @contextlib.contextmanager
-def redis_server(workdir: str) -> Iterator[str]:
-    """A throw-away ``redis-server`` on loopback (no persistence); yields its URL."""
-    binary = shutil.which("redis-server")
-    assert binary is not None
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-                             "--appendonly", "no", "--dir", workdir],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        deadline = time.monotonic() + 20
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=1).close()
-                break
-            except OSError:
-                if time.monotonic() > deadline or proc.poll() is not None:
-                    raise RuntimeError(f"redis-server did not start on port {port}") from None
-                time.sleep(0.05)
+def redis_url(workdir: str) -> Iterator[str]:
+    """A throw-away ``redis-server`` on loopback (``kvtune.testing.redis_server``); yields its URL."""
+    with redis_server(workdir) as port:
         yield f"redis://127.0.0.1:{port}/0"
-    finally:
-        proc.terminate()
-        proc.wait(10)
 
 
 PROFILE_PARTS = (
@@ -304,7 +283,7 @@ def main(argv: list[str] | None = None) -> int:
             for mode in modes:
                 workdir = tempfile.mkdtemp(dir=tmp)
                 with contextlib.ExitStack() as stack:
-                    spec = (stack.enter_context(redis_server(workdir)) if state == "redis"
+                    spec = (stack.enter_context(redis_url(workdir)) if state == "redis"
                             else f"sqlite:{workdir}/state.db")
                     prof = None
                     if args.cprofile:

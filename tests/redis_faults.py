@@ -9,16 +9,11 @@ command is the one armed with a fault.
 """
 from __future__ import annotations
 
-import shutil
 import socket
-import subprocess
 import threading
-import time
-from collections.abc import Iterator
-from contextlib import contextmanager
-from pathlib import Path
 from typing import BinaryIO
-from _net import free_port
+
+from kvtune.testing.redis_server import redis_server  # noqa: F401  (the tests import it from here)
 
 FAULT_KINDS = ("error", "reject", "drop_before", "drop_after", "drop_mid", "garbage", "stall")
 """- ``error``: the command runs in Redis, the client gets ``-ERR`` instead of its reply;
@@ -28,33 +23,6 @@ FAULT_KINDS = ("error", "reject", "drop_before", "drop_after", "drop_mid", "garb
 - ``drop_mid``: the command runs, half of its reply is sent, then the connection closes;
 - ``garbage``: the command runs, the client gets a line that is not RESP;
 - ``stall``: the command runs, its reply is held back until the client gives up (then dropped)."""
-
-
-@contextmanager
-def redis_server(workdir: Path, port: int | None = None) -> Iterator[int]:
-    """A ``redis-server`` on loopback (a free port unless given; no persistence); yields its port."""
-    binary = shutil.which("redis-server")
-    if binary is None:
-        raise FileNotFoundError("redis-server")
-    port = port or free_port()
-    workdir.mkdir(parents=True, exist_ok=True)
-    proc = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-                             "--appendonly", "no", "--dir", str(workdir)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        deadline = time.monotonic() + 20
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=1).close()
-                break
-            except OSError:
-                if time.monotonic() > deadline or proc.poll() is not None:
-                    raise RuntimeError(f"redis-server did not start on port {port}") from None
-                time.sleep(0.05)
-        yield port
-    finally:
-        proc.terminate()
-        proc.wait(10)
 
 
 def _read_command(f: BinaryIO) -> list[bytes] | None:
