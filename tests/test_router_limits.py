@@ -128,3 +128,19 @@ def test_per_client_share_defaults_to_a_quarter_and_is_checked():
                 cluster.router_config(max_connections_per_client=bad)
         with pytest.raises(ConfigError, match="stream_deadline_s"):
             cluster.router_config(stream_deadline_s=float("inf"))
+
+
+@pytest.mark.parametrize("complete", [False, True], ids=["partial", "whole"])
+def test_a_body_that_stops_coming_is_answered_408(complete, tmp_path, monkeypatch):
+    from kvtune.router import server
+    monkeypatch.setattr(server, "BODY_READ_TIMEOUT_S", 0.5)
+    body = json.dumps({"model": "m", "prompt": "a b", "max_tokens": 2}).encode()
+    with StandInVllmCluster(1, 1) as cluster, \
+            RouterInThread(cluster.router_config("pull", state=f"sqlite:{tmp_path}/s.db")) as router:
+        port = int(router.url.rsplit(":", 1)[1])
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                         b"application/json\r\nContent-Length: %d\r\n\r\n" % len(body)
+                         + (body if complete else body[:10]))
+            head = sock.recv(65536).split(b"\r\n", 1)[0]
+    assert head == (b"HTTP/1.1 200 OK" if complete else b"HTTP/1.1 408 Request Timeout")
