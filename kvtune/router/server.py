@@ -640,10 +640,7 @@ class Router:
                                f"router's max_body_bytes ({limit})", kind="request_too_large",
                                headers=ids)
         try:
-            if request.content.is_eof():  # the whole body is here (most requests): no wait,
-                raw = await request.read()  # so no timeout task for it
-            else:
-                raw = await asyncio.wait_for(request.read(), BODY_READ_TIMEOUT_S)
+            raw = await asyncio.wait_for(request.read(), BODY_READ_TIMEOUT_S)
         except web.HTTPRequestEntityTooLarge:
             return _error_json(413, f"request body is over the router's max_body_bytes ({limit})",
                                kind="request_too_large", headers=ids)
