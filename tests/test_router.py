@@ -346,6 +346,18 @@ def test_binds_loopback_by_default(tmp_path):
         assert proc.proc is not None and proc.proc.returncode == 0  # SIGTERM: clean exit
 
 
+def test_a_kvtune_folder_in_the_working_directory_does_not_shadow_the_router(tmp_path,
+                                                                              monkeypatch):
+    shadow = tmp_path / "cwd" / "kvtune"
+    shadow.mkdir(parents=True)
+    (shadow / "__init__.py").write_text("raise SystemExit('shadowed kvtune imported')\n")
+    monkeypatch.chdir(shadow.parent)
+    with StandInVllmCluster(1, 1) as cluster:
+        config = cluster.router_config("pull", state=f"sqlite:{tmp_path}/s.db")
+        with RouterProcess(config, workdir=tmp_path / "r") as proc:
+            assert get(proc.url + "/health").status == 200
+
+
 def test_router_process_writes_spans_with_telemetry(tmp_path):
     """The CLI path sets up kvtune.telemetry: KVTUNE_SPANS_DIR receives kv.request spans."""
     from kvtune.traces import load

@@ -133,7 +133,7 @@ def check(*, backend: str = "UCX", env: dict[str, str] | None = None,
     child_env.setdefault("UCX_LOG_LEVEL", "info")
     if child_env["UCX_LOG_LEVEL"].lower() not in ("info", "debug", "trace"):
         child_env["UCX_LOG_LEVEL"] = "info"
-    cmd = [sys.executable, "-m", "kvtune.probe.selftest", "--backend", backend]
+    cmd = [sys.executable, "-P", "-m", "kvtune.probe.selftest", "--backend", backend]
     try:
         proc = subprocess.run(cmd, env=child_env, capture_output=True, text=True, timeout=timeout_s)
         out = proc.stdout + "\n" + proc.stderr

@@ -326,7 +326,7 @@ def spawn_local_target(*, backend: str = DEFAULT_BACKEND, max_mem_mb: int = DEFA
     """Start ``python -m kvtune.probe serve --port 0 --max-sessions 1`` and wait until it listens.
     The child inherits ``os.environ`` (so ``UCX_*`` settings apply to both sides) updated with
     ``env`` (where ``""`` unsets a variable)."""
-    cmd = [*launch_prefix, sys.executable, "-m", "kvtune.probe", "serve", "--bind", bind, "--port", "0",
+    cmd = [*launch_prefix, sys.executable, "-P", "-m", "kvtune.probe", "serve", "--bind", bind, "--port", "0",
            "--backend", backend, "--max-mem-mb", str(max_mem_mb), "--max-sessions", "1"]
     if fabric:
         cmd += ["--fabric", fabric]

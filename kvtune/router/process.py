@@ -77,8 +77,9 @@ class RouterProcess:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (src_root, env.get("PYTHONPATH")) if p)
         log = open(self.log_path, "ab")
         try:
-            self.proc = subprocess.Popen(
-                [self.python, "-m", "kvtune.router", "--config", str(cfg_path), "--port", "0",
+            self.proc = subprocess.Popen(  # -P: no working directory first on sys.path, so a
+                # kvtune/ folder where the caller stands never shadows this kvtune
+                [self.python, "-P", "-m", "kvtune.router", "--config", str(cfg_path), "--port", "0",
                  "--port-file", str(port_file)],
                 stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
                 start_new_session=True)
