@@ -36,7 +36,7 @@ import math
 import re
 import time
 import urllib.parse
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -209,15 +209,13 @@ class TempoRead:
         if s.cut_short:
             out.append({"code": "tempo_search_cut_short", "severity": "warning",
                         "message": f"the Tempo search was cut short, traces in the range may be "
-                                   f"missing: {'; '.join(s.cut_short[:MAX_NOTES])}"
-                                   + (" ..." if len(s.cut_short) > MAX_NOTES else ""),
+                                   f"missing: {first_notes(s.cut_short, MAX_NOTES)}",
                         "evidence": evidence})
         if self.failed_windows:
             out.append({"code": "tempo_windows_failed", "severity": "warning",
                         "message": f"{len(self.failed_windows)} of {self.pages} page(s) of the "
                                    f"range failed and their traces are missing: "
-                                   f"{'; '.join(self.failed_windows[:MAX_NOTES])}"
-                                   + (" ..." if len(self.failed_windows) > MAX_NOTES else "")
+                                   f"{first_notes(self.failed_windows, MAX_NOTES)}"
                                    + (f" (run again with cursor={self.cursor} to read only them)"
                                       if self.cursor else ""),
                         "evidence": evidence})
@@ -226,8 +224,7 @@ class TempoRead:
                         "message": f"Tempo answered {self.n_partial_answers} trace(s) as "
                                    f"partial (their spans beyond Tempo's size limit, or in blocks "
                                    f"it could not read, are missing): "
-                                   f"{'; '.join(self.partial_answers[:3])}"
-                                   + (" ..." if self.n_partial_answers > 3 else ""),
+                                   f"{first_notes(self.partial_answers, 3, self.n_partial_answers)}",
                         "evidence": evidence})
         if self.one_sided_transfers:
             out.append({"code": "tempo_partial_traces", "severity": "warning",
@@ -256,6 +253,13 @@ class TempoRead:
 
 MAX_NOTES = 20
 """Notes of one kind (cut-short windows, failed pages, partial traces) kept in a read report."""
+
+
+def first_notes(notes: Sequence[str], limit: int, total: int | None = None) -> str:
+    """The first ``limit`` of ``notes`` joined by "; ", then " ..." when there are more (of
+    ``total``, when the list holds fewer than were counted)."""
+    more = (len(notes) if total is None else total) > limit
+    return "; ".join(notes[:limit]) + (" ..." if more else "")
 
 
 def _iso(unix_s: int) -> str:

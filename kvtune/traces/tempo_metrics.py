@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvtune.errors import TraceSourceError
-from kvtune.traces.tempo import HTTP_PARTIAL, TempoSource, _as_int, _iso
+from kvtune.traces.tempo import HTTP_PARTIAL, TempoSource, _as_int, _iso, first_notes
 
 METRICS_WINDOW_S = 3 * 3600
 """Longest range asked in one metrics request: Tempo's default
@@ -172,8 +172,7 @@ class FleetMetrics:
         if self.missing:
             out.append({"code": "tempo_fleet_metrics_partial", "severity": "warning",
                         "message": f"Tempo's metrics over the range are incomplete, the fleet "
-                                   f"totals above are short: {'; '.join(self.missing[:5])}"
-                                   + (" ..." if len(self.missing) > 5 else ""),
+                                   f"totals above are short: {first_notes(self.missing, 5)}",
                         "evidence": evidence})
         return out
 
