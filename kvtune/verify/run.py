@@ -61,9 +61,12 @@ def worst_detectable_pct(parts: Mapping[str, Sequence[ConfigResult]], baseline: 
 
 
 def _say(bar: Any, text: str, *, warn: bool = False) -> None:
-    (_log.warning if warn else _log.info)("%s", text)
+    """Above the progress bar where it is shown, else to the log (not both: kvtune tune's log
+    handler printed each line a second time)."""
     if not bar.disable:
         bar.write(text)
+    else:
+        (_log.warning if warn else _log.info)("%s", text)
 
 
 def run_verify(configs: Sequence[VerifyConfig], backend: Backend,
@@ -87,7 +90,7 @@ def run_verify(configs: Sequence[VerifyConfig], backend: Backend,
     from tqdm import tqdm
 
     from kvtune.verify import crossover as X
-    from kvtune.verify.measure import Phase, measure_deployment
+    from kvtune.verify.measure import Phase, combine, measure_deployment
 
     names = [c.name for c in configs]
     if len(set(names)) != len(names):
@@ -155,7 +158,6 @@ def run_verify(configs: Sequence[VerifyConfig], backend: Backend,
         one_round(k)
         k += 1
     bar.close()
-    from kvtune.verify.measure import combine
     measured = [combine(parts[c.name], seed=seed) for c in configs]
     cross = None
     if crossover is not None and swept is not None and host is not None:
