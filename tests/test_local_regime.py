@@ -15,7 +15,7 @@ def test_fleet_prefill_holds_a_fraction_of_the_histories_the_decode_holds_them_a
     assert DEFAULT_REGIME is FLEET and FLEET.turn_major
     working = FLEET.working_set_blocks()
     assert working >= 3 * FLEET.prefill_kv_blocks  # later turns find their history evicted
-    assert FLEET.decode_kv_blocks >= 4 * working  # bidirectional retention of every one fits
+    assert FLEET.decode_kv_blocks >= 2 * working  # bidirectional retention of every one fits
     # between two turns of any conversation, the others' prompts pass through the prefill
     plans = workload_plans(FLEET)
     for p in plans:
@@ -32,9 +32,9 @@ def test_warm_prefill_keeps_every_history():
 def test_fleet_sizes_spread_in_log_and_every_prefix_spans_the_range():
     sizes = FLEET.first_prompt_tokens
     assert (min(sizes), max(sizes)) == FLEET_FIRST_PROMPT_TOKENS == (512, 2560)
-    assert sorted(log_spaced(512, 2560, 16)) == sorted(sizes) and len(set(sizes)) == len(sizes)
+    assert sorted(log_spaced(512, 2560, 32)) == sorted(sizes) and len(set(sizes)) == len(sizes)
     first4 = sorted(sizes[:4])
-    assert first4[0] <= 640 and first4[-1] >= 1792
+    assert first4[0] <= 640 and first4[-1] >= 1700
     # tune's and verify's traffic: the same sizes, other tokens
     a, b = workload_plans(FLEET, seed=0), workload_plans(FLEET, seed=1)
     assert [len(p.turns[0].user_tokens) for p in a] == [len(p.turns[0].user_tokens) for p in b]

@@ -73,7 +73,7 @@ def test_tune_dir_replays_the_lab_regime_it_was_tuned_in(calls, tmp_path):
             "mode": {"value": "bidirectional"}, "kv_recompute_threshold": {"value": 55},
             "decoder_kv_blocks_ttl": {"value": 22}}}))
     assert cli.main(["verify", "--tune-dir", str(tmp_path / "t"), "--workload", "tune",
-                     "--conversations", "16", "--no-progress"]) == 0
+                     "--conversations", "32", "--no-progress"]) == 0
     ((_, backend, plans, _, kw),) = calls
     assert backend.pair_kwargs["regime"] is FLEET and "lab regime fleet" in backend.description
     assert kw["turn_major"] is True and kw["max_concurrency"] == 1

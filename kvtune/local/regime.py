@@ -99,7 +99,13 @@ def log_spaced(lo: int, hi: int, n: int) -> tuple[int, ...]:
     return tuple(vals[i] for i in order)
 
 
-FLEET_CONVERSATIONS: Final = 16
+FLEET_CONVERSATIONS: Final = 32
+"""Conversations of the fleet regime's traffic, in ``kvtune tune`` and per verification start.
+Why not 16 (until 2026-12-05): a configuration's p50 over one start's 64 requests carried a
+sampling error of about 6.5% (the paired change's bootstrap within one start of examples/fleet),
+which left the verification's smallest detectable effect at 8-13% after three starts and a mode's
+prediction from tune's one 64-request segment up to 12% off its measurement; 128 requests a
+start cost about 7 s more per start."""
 FLEET_FIRST_PROMPT_TOKENS: Final = (512, 2560)
 """Shortest and longest first prompts of the fleet regime (tokens), agent-like histories. Why not
 shorter: on this 2-core machine a prefill recomputes a history of under 500 tokens in about the
@@ -117,10 +123,11 @@ FLEET: Final = LabRegime(
     conversations=FLEET_CONVERSATIONS, verify_conversations=FLEET_CONVERSATIONS,
     turns=4, new_tokens_per_turn=48, max_tokens=8, think_time_s=(0.0, 0.0),
     parallel_conversations=1, turn_major=True)
-"""16 conversations whose first prompts spread evenly in log from 512 to 2560 tokens (the same
+"""32 conversations whose first prompts spread evenly in log from 512 to 2560 tokens (the same
 sizes in ``kvtune tune`` and ``kvtune verify``, other token ids: the two see the same TTFT
 distribution, so a measured p50 predicts the other's), taking turns one request at a time. Their
-histories hold about 7x the prefill's 25 blocks (190); the decode (1024 blocks) keeps every one."""
+histories hold about 15x the prefill's 25 blocks (379); the decode (1024 blocks) keeps every
+one."""
 WARM: Final = LabRegime(
     name="warm",
     why=("one prefill whose prefix cache (256 blocks) keeps every conversation's history: later "

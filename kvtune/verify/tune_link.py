@@ -25,7 +25,8 @@ TUNE_VERIFY_STARTS: Final = 3
 (A B A B A B), so that one start's offset is not read as an effect. Three, not two: with two, the
 spread between the starts' own estimates (which bounds the standard error) rests on one degree of
 freedom, and the smallest detectable effect of five fleet runs wandered from 4.1% to 12.8%; a
-third start costs about 35 s per configuration here."""
+third start costs about 40 s per configuration here (128 requests a start in the fleet
+regime)."""
 TUNE_VERIFY_AIM_PCT: Final = 10.0
 """``kvtune tune --verify`` adds whole rounds of starts (A B) while the smallest effect it could
 detect at p50 exceeds this (``kvtune.verify.run.MoreStarts``): one start 40% off the others (seen
