@@ -306,7 +306,7 @@ LEASE_ID: Final = "id"
 """Lease-channel request field: the decode's request id holding the blocks (the answer's
 :data:`REMOTE_REQUEST_ID`)."""
 LEASE_S: Final = "lease_s"
-"""Lease-channel renew field: seconds from now, > 0 and at most the decode's maximum."""
+"""Lease-channel renew field: seconds from now, > 0 (the decode grants at most its maximum)."""
 LEASE_OK: Final = "ok"
 """Lease-channel reply field: true when the op was applied."""
 LEASE_EXPIRY: Final = "expiry"

@@ -185,11 +185,13 @@ class LeaseBook:
 
     # --- channel threads ----------------------------------------------------------------------
     def renew(self, request_id: str, lease_s: float) -> LeaseReply:
-        """Hold ``request_id``'s blocks until ``now + lease_s`` (never earlier than already)."""
+        """Hold ``request_id``'s blocks until ``now + min(lease_s, max_lease_s)`` (never earlier
+        than already): the decode bounds what it grants, the reply says what it granted."""
         if not (isinstance(lease_s, (int, float)) and not isinstance(lease_s, bool)
-                and math.isfinite(lease_s) and 0 < lease_s <= self.max_lease_s):
-            return _fail("bad_request", f"{pd.LEASE_S}: expected a number of seconds in "
-                         f"(0, {self.max_lease_s:g}], got {lease_s!r}")
+                and math.isfinite(lease_s) and lease_s > 0):
+            return _fail("bad_request", f"{pd.LEASE_S}: expected a positive, finite number of "
+                         f"seconds, got {lease_s!r}")
+        lease_s = min(float(lease_s), self.max_lease_s)
         with self._lock:
             h = self._held.get(request_id)
             now = self._clock()
