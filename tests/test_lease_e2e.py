@@ -109,3 +109,29 @@ def test_renewed_history_is_read_back_after_the_ttl_and_an_ended_one_is_recomput
     assert kept[spans.RETENTION_TTL_S] == TTL_S
     ended = _retention(spans_dir, "lease-b1", pair.logs)
     assert ended[spans.RETENTION_OUTCOME] == spans.RetentionOutcome.ENDED.value
+
+
+def test_a_lease_the_router_forgets_lapses_and_the_next_turn_recomputes(pair: LocalPair) -> None:
+    """The router restarted with its store (or died): the stored params outlive the leases, which
+    nobody renews. The decode frees the blocks at the first TTL; the next turn's renewal is refused
+    and the router withholds the history instead of sending a read the prefill must decline."""
+    prompt = tuple(range(600, 696))
+    c1 = pair.complete(list(prompt), MAX_TOKENS, request_id="lease-c1", conversation="lease-C")
+    t_c1 = time.monotonic()
+    assert pair._router is not None
+    leases = pair._router.router.leases
+    before = pair.router_health()["decode_lease"]
+    leases._held.clear()  # what a router restart loses: the leases, not the stored params
+    assert pair.conversation_params("lease-C") is not None
+    time.sleep(max(0.0, t_c1 + TTL_S + 3.0 - time.monotonic()))
+    p0 = pair.prefill_prompt_sources()
+    c2 = pair.complete(list(prompt + c1.token_ids + EXTRA), MAX_TOKENS, request_id="lease-c2",
+                       conversation="lease-C")
+    p1 = pair.prefill_prompt_sources()
+    assert len(c2.token_ids) == MAX_TOKENS
+    assert p1.external_kv_transfer_tokens == p0.external_kv_transfer_tokens  # nothing read
+    after = pair.router_health()["decode_lease"]
+    assert after["withheld_total"] == before["withheld_total"] + 1
+    assert pair.spans_dir is not None
+    lapsed = _retention(pair.spans_dir, "lease-c1", pair.logs)
+    assert lapsed[spans.RETENTION_OUTCOME] == spans.RetentionOutcome.LAPSED.value

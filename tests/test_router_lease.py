@@ -169,3 +169,20 @@ def test_an_unreachable_channel_withholds_the_history_and_the_turn_recomputes(tm
         health = get(router.url + "/health").json()["decode_lease"]
     assert pd.REMOTE_BLOCK_IDS not in _prefill_params(cluster)[-1]
     assert health["withheld_total"] == 1 and health["channel_errors_total"] >= 1
+
+
+def test_records_of_conversations_that_never_return_are_swept() -> None:
+    from types import SimpleNamespace
+
+    from kvtune.router.lease import DecodeLeases
+
+    now = [0.0]
+    cfg = config_from_dict({"mode": "bidirectional", "prefill": "http://p:1",
+                            "decode": "http://d:1", "decoder_ttl_s": 30, "lease_s": 30})
+    leases = DecodeLeases(SimpleNamespace(config=cfg), clock=lambda: now[0])
+    fixed = {pd.REMOTE_REQUEST_ID: "cmpl-1", pd.REMOTE_BLOCK_IDS: [[1]]}
+    for i in range(100):
+        leases.held(f"conv-{i}", fixed, "http://d:1")
+    now[0] = cfg.params_ttl_s + 1  # none of those can be offered any more
+    leases.held("conv-new", fixed, "http://d:1")
+    assert list(leases._held) == ["conv-new"]

@@ -28,6 +28,7 @@ import asyncio
 import json
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Final, Protocol
@@ -135,7 +136,8 @@ class DecodeLeases:
     def __init__(self, router: _Router, *, clock: Any = time.monotonic) -> None:
         self._router = router
         self._clock = clock
-        self._held: dict[str, _Held] = {}
+        self._held: OrderedDict[str, _Held] = OrderedDict()
+        """By store key, oldest stored first (records past their use are swept in :meth:`held`)."""
         self._decodes: dict[str, str] = {}
         self._task: asyncio.Task[None] | None = None
         self.counts = {"renewals": 0, "releases": 0, "lapsed": 0, "withheld": 0,
@@ -186,9 +188,22 @@ class DecodeLeases:
         if not self.enabled or lease is None:
             return
         rid, port = lease
-        self._held[store_key] = _Held(decode_url, rid, port, self._clock())
+        now = self._clock()
+        self._held.pop(store_key, None)
+        self._held[store_key] = _Held(decode_url, rid, port, now)
+        self._sweep(now)
         if port is not None:
             self._ensure_task()
+
+    def _sweep(self, now: float) -> None:
+        """Drop the oldest records no turn can use any more (conversations that never came back
+        to a fixed-TTL decode; a lease past its idle time is dropped by the renewals)."""
+        cfg = self.config
+        while self._held:
+            key, oldest = next(iter(self._held.items()))
+            if oldest.port is not None or now - oldest.stored_at <= cfg.params_ttl_s:
+                return
+            del self._held[key]
 
     async def release_params(self, params: Any, decode_url: str) -> bool:
         """The conversation's last turn: release the blocks it just retained (not stored)."""
