@@ -4,6 +4,8 @@ vLLM servers whose decode runs kvtune's real lease book and channel
 readback of released or lapsed blocks and one whose expiry is past the decode's deadline."""
 from __future__ import annotations
 
+import asyncio
+import threading
 import time
 
 import pytest
@@ -181,8 +183,31 @@ def test_records_of_conversations_that_never_return_are_swept() -> None:
                             "decode": "http://d:1", "decoder_ttl_s": 30, "lease_s": 30})
     leases = DecodeLeases(SimpleNamespace(config=cfg), clock=lambda: now[0])
     fixed = {pd.REMOTE_REQUEST_ID: "cmpl-1", pd.REMOTE_BLOCK_IDS: [[1]]}
-    for i in range(100):
-        leases.held(f"conv-{i}", fixed, "http://d:1")
+
+    async def store(n: int, key: str) -> None:
+        for i in range(n):
+            await leases.held(key.format(i), fixed, "http://d:1")
+
+    asyncio.run(store(100, "conv-{}"))
     now[0] = cfg.params_ttl_s + 1  # none of those can be offered any more
-    leases.held("conv-new", fixed, "http://d:1")
+    asyncio.run(store(1, "conv-new"))
     assert list(leases._held) == ["conv-new"]
+
+
+def test_a_turn_in_flight_when_its_conversation_ends_releases_its_blocks(tmp_path) -> None:
+    with StandInVllmCluster(1, 1, bidirectional=True, decoder_ttl_s=TTL_S, lease=True) as cluster, \
+            RouterInThread(cluster.router_config("bidirectional", decoder_ttl_s=TTL_S,
+                                                 state=f"sqlite:{tmp_path}/s.db",
+                                                 **LEASE)) as router:
+        cluster.decode[0].delay_s = 1.0  # the turn is still on the decode when the end comes
+        turn = threading.Thread(target=_turn, args=(router.url, "hello " * 8, "conv-H"))
+        turn.start()
+        time.sleep(0.5)
+        assert post(router.url + END_PATH, {"conversation_id": "conv-H"}).status == 200
+        turn.join(30)
+        book = cluster.decode[0].lease_book
+        ((rid, _first),) = book.held().items()
+        late = book.renew(rid, 5)
+        health = get(router.url + "/health").json()["decode_lease"]
+    assert late.error == "released"
+    assert health["held"] == 0 and health["releases_total"] == 1

@@ -54,6 +54,9 @@ CHANNEL_TIMEOUT_S: Final = 2.0
 MAX_REPLY_BYTES: Final = 4096
 """Longest reply line read from a decode's channel."""
 MAX_END_BODY_BYTES: Final = 4096
+MAX_ENDED: Final = 10_000
+"""Ends remembered (per store key, the latest) so that a turn still in flight when its
+conversation was ended releases its blocks instead of keeping them."""
 _TRUE: Final = frozenset({"1", "true", "yes"})
 
 
@@ -139,6 +142,9 @@ class DecodeLeases:
         self._held: OrderedDict[str, _Held] = OrderedDict()
         """By store key, oldest stored first (records past their use are swept in :meth:`held`)."""
         self._decodes: dict[str, str] = {}
+        self._ended: OrderedDict[str, float] = OrderedDict()
+        """Store key -> when :meth:`end` was last called for it (``time.perf_counter``, the
+        clock of the server's ``_Call.t0``)."""
         self._task: asyncio.Task[None] | None = None
         self.counts = {"renewals": 0, "releases": 0, "lapsed": 0, "withheld": 0,
                        "channel_errors": 0}
@@ -180,12 +186,20 @@ class DecodeLeases:
                                   f"{pd.MIN_ROUTER_MARGIN_S:g} s")
         return {**params, pd.REMOTE_BLOCKS_EXPIRY_TIME: reply[pd.LEASE_EXPIRY]}
 
-    def held(self, store_key: str, params: Mapping[str, Any], decode_url: str) -> None:
+    async def held(self, store_key: str, params: Mapping[str, Any], decode_url: str, *,
+                   turn_started: float | None = None) -> None:
         """A turn's params were stored for the next turn: renew them while the conversation is
-        live (a lease decode), or remember when (a fixed-TTL decode)."""
+        live (a lease decode), or remember when (a fixed-TTL decode). A turn that started
+        (``turn_started``, ``time.perf_counter``) before its conversation was ended is its last:
+        its params are forgotten and its blocks released."""
         lease = _lease_of(params)
         self._decodes[redact_url(decode_url)] = "lease" if lease and lease[1] else "fixed_ttl"
         if not self.enabled or lease is None:
+            return
+        ended = self._ended.get(store_key)
+        if ended is not None and turn_started is not None and ended >= turn_started:
+            await self._router._state_call(self._router.store.clear_params, store_key)
+            await self.release_params(params, decode_url)
             return
         rid, port = lease
         now = self._clock()
@@ -217,6 +231,10 @@ class DecodeLeases:
     async def end(self, store_key: str) -> bool:
         """The conversation is over: forget its stored params (first: no later turn can be given
         the blocks), then release them. Whether a release was applied."""
+        self._ended.pop(store_key, None)
+        self._ended[store_key] = time.perf_counter()
+        while len(self._ended) > MAX_ENDED:
+            self._ended.popitem(last=False)
         await self._router._state_call(self._router.store.clear_params, store_key)
         held = self._held.pop(store_key, None)
         if held is None or held.port is None:

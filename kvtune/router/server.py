@@ -1095,7 +1095,7 @@ class Router:
             except Exception as exc:  # the answer is already the client's
                 self._state_failed(call, "store_params", exc)
             else:
-                self.leases.held(call.store_key, params, inst.url)
+                await self.leases.held(call.store_key, params, inst.url, turn_started=call.t0)
 
     def _count_stream_params(self, call: _Call, watcher: _SseWatcher,
                              inst: InstanceConfig) -> None:
