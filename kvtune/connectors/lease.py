@@ -20,7 +20,8 @@ How a renewal travels:
 1. The router asks the decode over this module's channel (TCP on 127.0.0.1, one JSON object per
    line, :data:`MAX_LINE_BYTES` a line, no pickle) to ``renew`` request R for ``lease_s`` seconds.
 2. :class:`LeaseBook` (decode scheduler process, the channel's thread) computes the new deadline in
-   the scheduler's own ``perf_counter`` - the clock of ``remote_blocks_expiry_time`` - never
+   the scheduler's own ``perf_counter`` - the clock of ``remote_blocks_expiry_time`` - granting
+   at most :data:`kvtune.vllm_pd.LEASE_MAX_S` (default: ``decoder_kv_blocks_ttl``) and never
    shortening it, records it as pending and answers it (with the scheduler's ``now``).
 3. On the scheduler's next step kvtune's ``build_connector_meta`` adds the pending deadlines to the
    metadata's ``reqs_to_send``: every worker re-assigns its deadline for R (rebased like vLLM's
@@ -33,7 +34,9 @@ How a renewal travels:
 A renewal is refused (``lapsing``) once the deadline in force is less than :data:`RENEW_GUARD_S`
 away: a worker step that began before the renewal reached the scheduler could still free the
 blocks at the old deadline, while the router would believe them renewed. The guard assumes no
-engine step (metadata built -> expired leases reaped) lasts that long.
+engine step (metadata built -> expired leases reaped) lasts that long. A ``release`` shortens the
+deadline; it is safe only because the router forgets every copy of the params first (below):
+the prefill never sees an expiry later than the decode's.
 
 Release: the router first forgets the conversation's stored params (no later turn can be given
 these blocks), then asks ``release``: the deadline becomes "now" through the same path (3), the
