@@ -184,6 +184,11 @@ RETENTION_TTL_S: Final = "kv.retention.ttl_s"
 """On ``kv.retention``: ``decoder_kv_blocks_ttl`` in force, seconds."""
 RETENTION_OUTCOME: Final = "kv.retention.outcome"
 """On ``kv.retention``: one of :class:`RetentionOutcome`."""
+RETENTION_RENEWALS: Final = "kv.retention.renewals"
+"""On ``kv.retention`` (renewable decode lease on): how many times the router renewed the lease."""
+RETENTION_LEASE_S: Final = "kv.retention.lease_s"
+"""On ``kv.retention`` (renewable decode lease on): the length of the last renewal granted,
+seconds (absent: never renewed; the first hold is ``kv.retention.ttl_s``)."""
 PROBE_ITERATION: Final = "kv.probe.iteration"
 """Probe: iteration index within one sweep point."""
 PROBE_WARMUP: Final = "kv.probe.warmup"
@@ -287,6 +292,10 @@ class RetentionOutcome(str, Enum):
     EVICTED = "evicted"
     RELEASED = "released"
     """Freed without reuse for another reason (shutdown, abort)."""
+    ENDED = "ended"
+    """Renewable lease: the router released the blocks, the conversation being over."""
+    LAPSED = "lapsed"
+    """Renewable lease: the lease ran out unrenewed (the router stopped renewing, or is gone)."""
 
 
 class Layout(str, Enum):
@@ -306,7 +315,8 @@ ATTRIBUTE_TYPES: Final[dict[str, type]] = {
     COMPUTED_TOKENS: int, OUTPUT_TOKENS: int, TTFT_MS: float, PREFILL_INSTANCE: str,
     DECODE_INSTANCE: str, STREAM: bool, HTTP_STATUS: int, REUSE_OUTCOME: str,
     REUSE_REMOTE_TOKENS: int, REUSE_THRESHOLD_TOKENS: int, RETENTION_TTL_S: float,
-    RETENTION_OUTCOME: str, PROBE_ITERATION: int, PROBE_WARMUP: bool, PROBE_LAYOUT: str,
+    RETENTION_OUTCOME: str, RETENTION_RENEWALS: int, RETENTION_LEASE_S: float,
+    PROBE_ITERATION: int, PROBE_WARMUP: bool, PROBE_LAYOUT: str,
     ERROR_TYPE: str, HTTP_CONNECTION_REUSED: bool, HTTP_REQUEST_BYTES: int,
     HTTP_RESPONSE_BYTES: int,
 }

@@ -81,6 +81,10 @@ of the history the decode's held KV encodes (:mod:`kvtune.router.binding`); the 
 only to a prompt that begins with exactly that history."""
 ROUTER_ONLY_KEYS: Final = (KV_PARAMS_HISTORY,)
 """Keys the router keeps with stored params and removes before any leg is sent."""
+PARAMS_LEASE_PORT: Final = "kvtune_lease_port"
+"""Key a kvtune decode with the renewable lease on adds to the ``kv_transfer_params`` it answers
+with (bidirectional): the TCP port of its lease channel, on the decode's loopback address
+(:mod:`kvtune.connectors.lease`). Absent: the decode keeps vLLM's fixed TTL."""
 STREAMED_PARAMS_SINCE: Final = "0.33"
 """The vLLM release from which a streamed answer carries ``kv_transfer_params`` (last chunk)."""
 
@@ -111,6 +115,13 @@ KV_LEASE_DURATION: Final = "kv_lease_duration"
 """Extra-config key: seconds a prefill holds blocks awaiting the decode's READ."""
 DEFAULT_KV_LEASE_DURATION_S: Final = 30
 """vLLM's default (0.32 and 0.33)."""
+LEASE_PORT: Final = "kvtune_lease_port"
+"""Extra-config key (kvtune's decode connector, bidirectional): the port of the decode's lease
+channel on 127.0.0.1 (0: any free port; the answer's :data:`PARAMS_LEASE_PORT` says which). Absent
+(the default): no channel, vLLM's fixed ``decoder_kv_blocks_ttl``."""
+LEASE_MAX_S: Final = "kvtune_lease_max_s"
+"""Extra-config key: the longest one renewal may hold the blocks for, seconds (default: the
+decode's ``decoder_kv_blocks_ttl``)."""
 PUSH_REGISTRATION_TIMEOUT: Final = "push_registration_timeout"
 """Extra-config key: seconds a push decode waits for the WRITE; default ``decoder_kv_blocks_ttl``."""
 NUM_THREADS: Final = "num_threads"
@@ -279,6 +290,42 @@ def offered_tokens(params: Mapping[str, Any] | None) -> int | None:
     """The history tokens a prefill is offered (``remote_num_tokens``), when an int."""
     value = params.get(REMOTE_NUM_TOKENS) if params else None
     return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+# --- the decode lease channel (kvtune's own, :mod:`kvtune.connectors.lease`) --------------------
+LEASE_OP: Final = "op"
+"""Lease-channel request field: one of :data:`LEASE_OPS`."""
+LEASE_OP_HELLO: Final = "hello"
+"""Op: is a channel there (answers the decode's clock and :data:`LEASE_MAX_LEASE_S`)."""
+LEASE_OP_RENEW: Final = "renew"
+"""Op: hold request :data:`LEASE_ID`'s blocks for :data:`LEASE_S` more seconds from now."""
+LEASE_OP_RELEASE: Final = "release"
+"""Op: free request :data:`LEASE_ID`'s blocks now (the conversation is over)."""
+LEASE_OPS: Final = (LEASE_OP_HELLO, LEASE_OP_RENEW, LEASE_OP_RELEASE)
+LEASE_ID: Final = "id"
+"""Lease-channel request field: the decode's request id holding the blocks (the answer's
+:data:`REMOTE_REQUEST_ID`)."""
+LEASE_S: Final = "lease_s"
+"""Lease-channel renew field: seconds from now, > 0 (the decode grants at most its maximum)."""
+LEASE_OK: Final = "ok"
+"""Lease-channel reply field: true when the op was applied."""
+LEASE_EXPIRY: Final = "expiry"
+"""Lease-channel reply field: the blocks' expiry now in force, in the decode scheduler's
+``perf_counter`` clock (the clock of :data:`REMOTE_BLOCKS_EXPIRY_TIME`)."""
+LEASE_NOW: Final = "now"
+"""Lease-channel reply field: the decode scheduler's ``perf_counter`` when it answered."""
+LEASE_MAX_LEASE_S: Final = "max_lease_s"
+"""Lease-channel hello reply field: the longest renewal the decode grants, seconds."""
+LEASE_ERROR: Final = "error"
+"""Lease-channel reply field (when not ok): one of :data:`LEASE_ERRORS`."""
+LEASE_DETAIL: Final = "detail"
+"""Lease-channel reply field (when not ok): the error in words."""
+LEASE_ERRORS: Final = ("bad_request", "too_large", "unknown_request", "released", "lapsing",
+                       "busy")
+"""``bad_request``: not a JSON object with the fields of its op; ``too_large``: a line over the
+channel's cap; ``unknown_request``: the decode holds no blocks for that id (read back, freed, or
+never held); ``released``: a renewal after a release; ``lapsing``: the blocks expire too soon to
+renew safely; ``busy``: too many connections."""
 
 
 # --- rules ----------------------------------------------------------------------------------------

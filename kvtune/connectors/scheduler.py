@@ -15,6 +15,7 @@ the request's :class:`ReqTrace` tells the worker side too.
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Final
@@ -32,6 +33,7 @@ from kvtune import spans
 from kvtune.connectors import compat
 from kvtune.connectors.ids import base_request_id, derived_span_context, given_span_context
 from kvtune.connectors.idle import IdleStepWait, wait_ms_from_extra_config
+from kvtune.connectors.lease import LeaseBook, LeaseChannel, lease_settings
 from kvtune.connectors.observer import (
     GUARD,
     Emitter,
@@ -42,13 +44,15 @@ from kvtune.connectors.observer import (
     transfer_attrs,
 )
 from kvtune.vllm_pd import (
-    DO_REMOTE_DECODE, DO_REMOTE_PREFILL, KV_CONNECTOR_EXTRA_CONFIG, REMOTE_BLOCK_IDS,
-    REMOTE_NUM_TOKENS, REMOTE_REQUEST_ID, engine_role, leg_role,
+    DO_REMOTE_DECODE, DO_REMOTE_PREFILL, KV_CONNECTOR_EXTRA_CONFIG, KV_PRODUCER, LEASE_PORT,
+    PARAMS_LEASE_PORT, REMOTE_BLOCK_IDS, REMOTE_BLOCKS_EXPIRY_TIME, REMOTE_NUM_TOKENS,
+    REMOTE_REQUEST_ID, engine_role, leg_role,
 )
 
 if TYPE_CHECKING:
     from vllm.v1.request import Request
 
+_log = logging.getLogger(__name__)
 _R = spans.ReuseOutcome
 _S = spans.SpanName
 _NORMAL_FINISH = ("FINISHED_LENGTH_CAPPED", "FINISHED_STOPPED")
@@ -109,6 +113,9 @@ class _SchedulerHooks:
     _kvt_outbox: Any = _NOTHING
     _kvt_kv_ready: Any = _NOTHING
     _kvt_idle: IdleStepWait | None = None
+    _kvt_lease: LeaseBook | None = None
+    """The renewable decode lease (:mod:`kvtune.connectors.lease`); None: off (vLLM's TTL)."""
+    _kvt_lease_channel: LeaseChannel | None = None
 
     def _kvt_setup(self) -> None:
         cfg = self.vllm_config.kv_transfer_config
@@ -119,6 +126,31 @@ class _SchedulerHooks:
         self._kvt_init(Emitter(role, mode, str(self.engine_id)))
         wait_ms = wait_ms_from_extra_config(getattr(cfg, KV_CONNECTOR_EXTRA_CONFIG, None))
         self._kvt_idle = IdleStepWait(wait_ms) if wait_ms is not None else None
+        if mode is spans.Mode.BIDIRECTIONAL and cfg.kv_role != KV_PRODUCER:
+            self._kvt_lease_setup(getattr(cfg, KV_CONNECTOR_EXTRA_CONFIG, None))
+
+    def _kvt_lease_setup(self, extra: Any) -> None:
+        """Start the lease channel when the extra config asks for it (a bad value: logged, and
+        the decode keeps vLLM's fixed TTL)."""
+        ttl_s = float(getattr(self, "decoder_kv_blocks_ttl", 0) or 0)
+        try:
+            settings = lease_settings(extra, ttl_s)
+        except ValueError as exc:
+            _log.warning("kvtune: renewable decode lease off: %s", exc)
+            return
+        if settings is None:
+            return
+        port, max_s = settings
+        book = LeaseBook(max_s)
+        try:
+            self._kvt_lease_channel = LeaseChannel(book, port)
+        except OSError as exc:
+            _log.warning("kvtune: renewable decode lease off: cannot listen on 127.0.0.1:%d "
+                         "(%s.%s): %s", port, KV_CONNECTOR_EXTRA_CONFIG, LEASE_PORT, exc)
+            return
+        self._kvt_lease = book
+        _log.info("kvtune: renewable decode lease on: channel 127.0.0.1:%d, renewals up to %g s",
+                  self._kvt_lease_channel.port, max_s)
 
     def _kvt_init(self, emitter: Emitter) -> None:
         """kvtune's state; ``emitter`` fixes the mode (and the role, unless per leg)."""
@@ -153,6 +185,8 @@ class _SchedulerHooks:
         meta = self._KVT_VLLM.build_connector_meta(self, scheduler_output)
         if self._kvt_outbox or self._kvt_kv_ready:  # else a step costs kvtune two tests
             GUARD.run("scheduler.meta", self._kvt_on_meta, meta, scheduler_output)
+        if self._kvt_lease is not None and self._kvt_lease.pending:
+            GUARD.run("scheduler.lease", self._kvt_lease_meta, meta)
         if self._kvt_idle is not None:
             GUARD.run("scheduler.idle_wait", self._kvt_idle.after_schedule, scheduler_output)
         return meta
@@ -162,6 +196,9 @@ class _SchedulerHooks:
         self._KVT_VLLM.update_connector_output(self, connector_output)
         if connector_output.finished_recving:
             GUARD.run("scheduler.output", self._kvt_on_output, connector_output)
+        if self._kvt_lease is not None and connector_output.finished_sending:
+            GUARD.run("scheduler.lease_gone", self._kvt_lease.gone,
+                      connector_output.finished_sending)
 
     @compat.overrides(_S.PREFILL, _S.RETENTION, _S.RENDEZVOUS)
     def request_finished(self, request: Request, block_ids: Any
@@ -174,6 +211,8 @@ class _SchedulerHooks:
     @compat.overrides("span flush")
     def shutdown(self) -> None:
         super().shutdown()
+        if self._kvt_lease_channel is not None:
+            GUARD.run("scheduler.lease_close", self._kvt_lease_channel.close)
         GUARD.run("scheduler.shutdown", lambda: self._kvt.flush())
 
     # --- state ------------------------------------------------------------------------------
@@ -309,6 +348,16 @@ class _SchedulerHooks:
                 self._kvt.emit(spans.SpanName.DECODE_START, st.parent, ready_ns, now_ns(),
                                _decode_start_attrs(st, rid, st.external), role=spans.Role.DECODE)
 
+    def _kvt_lease_meta(self, meta: Any) -> None:
+        """Renewed (or released) deadlines join vLLM's ``reqs_to_send`` (each worker re-assigns
+        its deadline for a request it still holds); the notes feed ``kv.retention``."""
+        assert self._kvt_lease is not None
+        deadlines, notes = self._kvt_lease.drain()
+        if deadlines:
+            meta.reqs_to_send.update(deadlines)
+        if notes:
+            meta.kvtune_leases = notes
+
     def _kvt_on_output(self, connector_output: Any) -> None:
         done = connector_output.finished_recving
         if not done:
@@ -353,6 +402,11 @@ class _SchedulerHooks:
                 out.setdefault(spans.KV_PARAMS_CONVERSATION_ID, st.conversation_id)
             if st.turn is not None:
                 out.setdefault(spans.KV_PARAMS_TURN, st.turn)
+            expiry = out.get(REMOTE_BLOCKS_EXPIRY_TIME)
+            if self._kvt_lease is not None and isinstance(expiry, (int, float)):
+                assert self._kvt_lease_channel is not None
+                self._kvt_lease.hold(rid, float(expiry))
+                out[PARAMS_LEASE_PORT] = self._kvt_lease_channel.port
             # Retained blocks belong to this decode's own request (named after its own id).
             self._kvt_trace(st, base_id=base_request_id(rid), traceparent=traceparent, mark_ns=t,
                             ttl_s=float(getattr(self, "decoder_kv_blocks_ttl", 0)),

@@ -15,7 +15,11 @@ the TTL, i.e. the prefill's notification arrived. vLLM sends the same notificati
 prefill read the blocks or only tells the decode to free them (a local prefix-cache hit, or a
 recompute under ``kv_recompute_threshold``), so the decode cannot tell these apart: the prefill's
 ``kv.reuse_decision`` with the same ``kv.transfer_id`` says which. ``expired``: the TTL ran out
-first. ``released``: still retained at shutdown.
+first. ``released``: still retained at shutdown. With the renewable decode lease
+(:mod:`kvtune.connectors.lease`) the scheduler's :class:`~kvtune.connectors.lease.LeaseNote` per
+held request adds ``kv.retention.renewals`` and ``kv.retention.lease_s``, and a freed lease is
+``ended`` (the router released it) or ``lapsed`` (its deadline passed unrenewed) instead of
+``expired``.
 """
 from __future__ import annotations
 
@@ -34,6 +38,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.push_worker import (
 from kvtune import spans
 from kvtune.connectors import compat
 from kvtune.connectors.ids import base_request_id, derived_span_context, parse_traceparent
+from kvtune.connectors.lease import LeaseNote
 from kvtune.connectors.nixl_agent import ObservedNixlAgent
 from kvtune.connectors.progress import agent_settings, settings_of
 from kvtune.connectors.observer import (
@@ -91,6 +96,8 @@ class _WorkerHooks:
         self._kvt_xfers = TransferTracker(self._kvt)
         self._kvt_reqs: BoundedDict = BoundedDict()
         self._kvt_retained: dict[str, ReqTrace] = {}
+        self._kvt_lease_notes: dict[str, LeaseNote] = {}
+        """Per retained request under the renewable lease: the scheduler's last note."""
         self._kvt_hs_trigger: dict[str, tuple[Any, dict[str, Any], spans.Role]] = {}
         self._kvt_cur_req: str | None = None
         self.nixl_wrapper = ObservedNixlAgent(self.nixl_wrapper, self._kvt_xfers)
@@ -120,12 +127,18 @@ class _WorkerHooks:
 
     def _kvt_retention_end(self, rid: str, outcome: spans.RetentionOutcome) -> None:
         info = self._kvt_retained.pop(rid, None)
+        note = self._kvt_lease_notes.pop(rid, None)
         if info is None or info.mark_ns is None:
             return
+        if note is not None and outcome is spans.RetentionOutcome.EXPIRED:
+            outcome = spans.RetentionOutcome.ENDED if note.released else \
+                spans.RetentionOutcome.LAPSED
+        lease = {} if note is None else {spans.RETENTION_RENEWALS: note.renewals,
+                                         spans.RETENTION_LEASE_S: note.lease_s}
         self._kvt.emit(_S.RETENTION, info.parent(), info.mark_ns, now_ns(), lambda: {
             **transfer_attrs(info.base_id, _D.REVERSE, rid), **request_attrs(info),
             spans.TOKENS: info.tokens, spans.RETENTION_TTL_S: info.ttl_s,
-            spans.RETENTION_OUTCOME: outcome.value}, role=_DEC)
+            spans.RETENTION_OUTCOME: outcome.value, **lease}, role=_DEC)
 
     def _kvt_trigger_handshake(self, engine_id: str, sc: Any, attrs: dict[str, Any],
                                role: spans.Role) -> None:
@@ -134,13 +147,14 @@ class _WorkerHooks:
 
     # --- hooks ------------------------------------------------------------------------------
     def _kvt_on_metadata(self, metadata: Any) -> None:
-        extra = getattr(metadata, "kvtune_reqs", None)
-        if not extra:
-            return
+        extra = getattr(metadata, "kvtune_reqs", None) or {}
         for rid, info in extra.items():
             self._kvt_reqs[rid] = info
             if info.ttl_s is not None and self._kvt_leg(info, None) is _DEC:
                 self._kvt_retained[rid] = info
+        for rid, note in (getattr(metadata, "kvtune_leases", None) or {}).items():
+            if rid in self._kvt_retained:
+                self._kvt_lease_notes[rid] = note
 
     def _kvt_xfer_context(self, op: spans.NixlOp, read_spec: Any, dst_engine_id: str,
                           request_id: str, remote_request_id: str) -> XferContext:
@@ -246,7 +260,7 @@ class KvtunePullWorker(_WorkerHooks, NixlPullConnectorWorker):
 
     @compat.overrides("metadata from scheduler")
     def start_load_kv(self, metadata: Any) -> None:
-        if getattr(metadata, "kvtune_reqs", None):  # else a step costs kvtune one test
+        if getattr(metadata, "kvtune_reqs", None) or getattr(metadata, "kvtune_leases", None):
             GUARD.run("worker.metadata", self._kvt_on_metadata, metadata)
         return super().start_load_kv(metadata)
 
@@ -328,7 +342,7 @@ class KvtunePushWorker(_WorkerHooks, NixlPushConnectorWorker):
 
     @compat.overrides("metadata from scheduler")
     def start_load_kv(self, metadata: Any) -> None:
-        if getattr(metadata, "kvtune_reqs", None):  # else a step costs kvtune one test
+        if getattr(metadata, "kvtune_reqs", None) or getattr(metadata, "kvtune_leases", None):
             GUARD.run("worker.metadata", self._kvt_on_metadata, metadata)
         return super().start_load_kv(metadata)
 

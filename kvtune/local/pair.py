@@ -228,7 +228,8 @@ class LocalPair(_Servers):
                  decode_engine_id: str = DEFAULT_DECODE_ENGINE_ID,
                  cpu_cores: tuple[int, int] = (0, 1), warmup_transfer: bool = True,
                  layout: PairLayout | str = QUIET, fabric: ShapedLink | None = None,
-                 kv_both: bool = False, regime: LabRegime | str = WARM) -> None:
+                 kv_both: bool = False, regime: LabRegime | str = WARM,
+                 router_overrides: Mapping[str, Any] | None = None) -> None:
         if mode not in vllm_pd.MODES:
             raise LocalPairError(f"LocalPair: mode expected one of {vllm_pd.MODES}, got {mode!r}")
         # ``vllm`` becomes ``plain`` when the layout changes the NIXL agent, which vLLM's classes
@@ -279,6 +280,9 @@ class LocalPair(_Servers):
         self.kv_both = kv_both
         """Both engines start with ``kv_role: kv_both`` (each request's leg from its params)
         instead of ``kv_producer`` / ``kv_consumer``."""
+        self.router_overrides = dict(router_overrides or {})
+        """:class:`RouterConfig` fields for the pair's router (e.g. the renewable decode lease's
+        ``lease_s``), applied over what :meth:`router_config` derives."""
         self._router: RouterInThread | None = None
         self._store: SqliteConversationStore | None = None
         self._legs: dict[str, dict[str, LegRecord]] = {}
@@ -322,7 +326,7 @@ class LocalPair(_Servers):
             decoder_ttl_s=float(extra.get(vllm_pd.DECODER_KV_BLOCKS_TTL,
                                           vllm_pd.DEFAULT_DECODER_KV_BLOCKS_TTL_S)),
             prefill_timeout_s=timeout_s, decode_timeout_s=timeout_s,
-            stream_idle_timeout_s=timeout_s)
+            stream_idle_timeout_s=timeout_s).replace(**self.router_overrides)
 
     @property
     def prefill_url(self) -> str:
@@ -564,6 +568,26 @@ class LocalPair(_Servers):
         """Drop what the pair holds for ``conversation`` (its next turn starts fresh)."""
         if self._store is not None:
             self._store.forget(conversation)
+
+    def end_conversation(self, conversation: str) -> dict[str, Any]:
+        """Tell the pair's router that ``conversation`` is over (``POST``
+        :data:`kvtune.router.lease.END_PATH`); its answer (``released``: a lease was released)."""
+        from kvtune.router import client as router_client
+        from kvtune.router.lease import END_PATH
+        r = router_client.post(self._router_url() + END_PATH, {"conversation_id": conversation},
+                               timeout_s=60.0)
+        if r.status != 200:
+            raise LocalPairError(f"ending conversation {conversation!r}: expected HTTP 200, got "
+                                 f"{r.status}: {r.body[:500]!r}")
+        return dict(r.json())
+
+    def router_health(self) -> dict[str, Any]:
+        """The pair's router's ``/health`` answer."""
+        from kvtune.router import client as router_client
+        r = router_client.get(self._router_url() + "/health", timeout_s=60.0)
+        if r.status != 200:
+            raise LocalPairError(f"router /health: expected HTTP 200, got {r.status}")
+        return dict(r.json())
 
     def conversation_params(self, conversation: str) -> dict[str, Any] | None:
         """The decode's retained-block params stored for ``conversation`` (bidirectional)."""

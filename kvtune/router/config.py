@@ -26,6 +26,13 @@ Configuration file keys (YAML or JSON; ``kvtune.export`` writes ``router.yaml`` 
     tenant_header: X-Tenant      # optional: a request header holding the client's tenant key (e.g.
                                  #   a hash of its API key); conversation ids are scoped by it, and
                                  #   a request naming a conversation without it gets 400
+    lease_s: 30                  # bidirectional: renew the decode's hold on a conversation's blocks
+                                 #   for this long at a time (kvtune's decode connector with
+                                 #   kvtune_lease_port; see kvtune.router.lease); default: off
+    lease_renew_every_s: 10      # how often (default lease_s / 3; at most min(lease_s,
+                                 #   decoder_ttl_s) - 6 s)
+    lease_idle_s: 480            # renewals stop this long after a conversation's last turn
+                                 #   without a new one or an explicit end (default 480)
     telemetry: {}                # keyword arguments for kvtune.telemetry.setup(Role.ROUTER, ...)
     prefill:                     # one or more prefill instances
       - url: http://127.0.0.1:8100
@@ -54,10 +61,18 @@ from urllib.parse import urlsplit
 from kvtune.errors import ConfigError
 from kvtune.redact import redact_url
 from kvtune.spans import PD_MODES, Mode
-from kvtune.vllm_pd import DEFAULT_DECODER_KV_BLOCKS_TTL_S, router_margin_s
+from kvtune.vllm_pd import (DEFAULT_DECODER_KV_BLOCKS_TTL_S, MIN_ROUTER_MARGIN_S,
+                            router_margin_s)
 
 DEFAULT_DECODER_TTL_S = float(DEFAULT_DECODER_KV_BLOCKS_TTL_S)
 """vLLM's default ``decoder_kv_blocks_ttl`` (NIXL connector, bidirectional mode)."""
+DEFAULT_LEASE_RENEWALS_PER_LEASE = 3
+"""A lease is renewed this many times per ``lease_s`` unless ``lease_renew_every_s`` says."""
+DEFAULT_LEASE_IDLE_S = float(DEFAULT_DECODER_KV_BLOCKS_TTL_S)
+"""Renewals stop this long after a conversation's last turn (vLLM's fixed TTL: a lease holds no
+longer than today's default unless asked to, and less when the conversation ends)."""
+LEASE_FIELDS = ("lease_s", "lease_renew_every_s", "lease_idle_s")
+"""The renewable decode lease's fields (written by :meth:`RouterConfig.to_dict` only when on)."""
 DEFAULT_STREAM_DEADLINE_S = 3600.0
 """Longest a streamed decode may run in all: 32k tokens at 10 tokens/s take under an hour; an
 upstream trickling a byte now and then (each within ``stream_idle_timeout_s``) is cut off here."""
@@ -112,18 +127,38 @@ class RouterConfig:
     ``max_connections`` (:attr:`connections_per_client`)."""
     tenant_header: str | None = None
     """A request header whose value (a tenant key) scopes conversation ids; None: no tenants."""
+    lease_s: float | None = None
+    """Renewable decode lease (:mod:`kvtune.router.lease`): seconds per renewal; None: off."""
+    lease_renew_every_s: float | None = None
+    """Seconds between renewals; None: ``lease_s`` / :data:`DEFAULT_LEASE_RENEWALS_PER_LEASE`."""
+    lease_idle_s: float | None = None
+    """Renewals stop this long after a conversation's last turn; None: :data:`DEFAULT_LEASE_IDLE_S`."""
     telemetry: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.margin_s is None and isinstance(self.decoder_ttl_s, (int, float)):
             object.__setattr__(self, "margin_s", router_margin_s(self.decoder_ttl_s))
+        if isinstance(self.lease_s, (int, float)):
+            if self.lease_renew_every_s is None:
+                object.__setattr__(self, "lease_renew_every_s",
+                                   self.lease_s / DEFAULT_LEASE_RENEWALS_PER_LEASE)
+            if self.lease_idle_s is None:
+                object.__setattr__(self, "lease_idle_s", DEFAULT_LEASE_IDLE_S)
         _validate(self)
 
     @property
-    def params_ttl_s(self) -> float:
-        """How long stored decode params are used: ``decoder_ttl_s - margin_s``."""
+    def params_ttl_base_s(self) -> float:
+        """How long a fixed-TTL decode's stored params are used: ``decoder_ttl_s - margin_s``."""
         assert self.margin_s is not None  # set in __post_init__
         return self.decoder_ttl_s - self.margin_s
+
+    @property
+    def params_ttl_s(self) -> float:
+        """How long the store keeps decode params: :attr:`params_ttl_base_s`, or with the lease on
+        the longest a lease can live (``lease_idle_s + lease_s``; the lease decides each offer)."""
+        if self.lease_s is None or self.lease_idle_s is None:
+            return self.params_ttl_base_s
+        return max(self.params_ttl_base_s, self.lease_idle_s + self.lease_s)
 
     @property
     def connections_per_client(self) -> int:
@@ -138,6 +173,9 @@ class RouterConfig:
         out = dataclasses.asdict(self)
         out["mode"] = self.mode.value
         out["telemetry"] = dict(self.telemetry)
+        if self.lease_s is None:
+            for name in LEASE_FIELDS:
+                del out[name]
         return out
 
     def replace(self, **changes: Any) -> RouterConfig:
@@ -201,10 +239,35 @@ def _validate(cfg: RouterConfig, source: str = "router config") -> None:
             and cfg.tenant_header and all(c.isalnum() or c in "-_" for c in cfg.tenant_header)):
         raise ConfigError(f"{source}: field 'tenant_header': expected an HTTP header name "
                           f"(letters, digits, '-', '_'), got {cfg.tenant_header!r:.80}")
+    _validate_lease(cfg, source)
     if not (cfg.state.startswith("sqlite:") or cfg.state.startswith("redis://")
             or cfg.state == ":memory:"):
         raise ConfigError(f"{source}: field 'state': expected 'sqlite:PATH' or 'redis://HOST:PORT/DB', "
                           f"got {redact_url(cfg.state)!r}")
+
+
+def _validate_lease(cfg: RouterConfig, source: str) -> None:
+    if cfg.lease_s is None:
+        for name in LEASE_FIELDS[1:]:
+            if getattr(cfg, name) is not None:
+                raise ConfigError(f"{source}: field {name!r}: applies with 'lease_s' only "
+                                  f"(the renewable decode lease is off)")
+        return
+    for name in LEASE_FIELDS:
+        value = getattr(cfg, name)
+        if not (isinstance(value, (int, float)) and not isinstance(value, bool)
+                and math.isfinite(value) and value > 0):
+            raise ConfigError(f"{source}: field {name!r}: expected a positive number of seconds, "
+                              f"got {value!r}")
+    # Each renewal must reach the decode while the deadline in force is still more than its
+    # renewal guard (vLLM's readback margin) away: the first one runs against decoder_ttl_s.
+    limit = min(cfg.lease_s, cfg.decoder_ttl_s) - MIN_ROUTER_MARGIN_S
+    assert cfg.lease_renew_every_s is not None
+    if cfg.lease_renew_every_s > limit:
+        raise ConfigError(f"{source}: field 'lease_renew_every_s': expected at most min(lease_s, "
+                          f"decoder_ttl_s) - {MIN_ROUTER_MARGIN_S:g} s = {limit:g} s (a renewal "
+                          f"must land well before the deadline it extends), got "
+                          f"{cfg.lease_renew_every_s!r}")
 
 
 def _instance(value: Any, where: str) -> InstanceConfig:
@@ -266,8 +329,8 @@ def config_from_dict(data: Mapping[str, Any], *, source: str = "router config") 
                                   f"got {data[name]!r}") from None
     for name in ("decoder_ttl_s", "margin_s", "state_retention_s", "connect_timeout_s",
                  "prefill_timeout_s", "decode_timeout_s", "stream_idle_timeout_s",
-                 "header_timeout_s", "stream_deadline_s"):
-        if name in data:
+                 "header_timeout_s", "stream_deadline_s", *LEASE_FIELDS):
+        if name in data and not (name in LEASE_FIELDS and data[name] is None):
             try:
                 kwargs[name] = float(data[name])
             except (TypeError, ValueError):

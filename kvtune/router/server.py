@@ -86,6 +86,7 @@ from kvtune.redact import redact_text, redact_url
 from kvtune.errors import RouterError
 from kvtune.router import binding
 from kvtune.router.config import InstanceConfig, RouterConfig
+from kvtune.router.lease import END_PATH, DecodeLeases, conversation_ends
 from kvtune.router.pool import InstancePool
 from kvtune.router.parsing import (MAX_CLIENT_REQUEST_ID_CHARS, REQUEST_ID_HEADER, RequestRejected,
                                    parse_request, text_problem)
@@ -199,6 +200,8 @@ class _Call:
     """Span events to add to ``kv.request`` (name, attributes)."""
     stream_sent: tuple[float, dict[str, Any] | None] | None = None
     """When the streamed decode leg was sent, and its ``kv_transfer_params``."""
+    ends: bool = False
+    """The client said this turn is the conversation's last (:mod:`kvtune.router.lease`)."""
     keeps_stored: bool = False
     """The stored params were refused to this turn and left stored for the history they encode:
     this turn must not replace them with its own."""
@@ -513,6 +516,7 @@ class Router:
         self._state_errors = 0
         self._stream_deadlines = 0
         self._reuse_refused = {r.value: 0 for r in spans.ReuseRefusal}
+        self.leases = DecodeLeases(self)
 
     # --- lifecycle --------------------------------------------------------------------------------
     def make_app(self) -> web.Application:
@@ -521,6 +525,7 @@ class Router:
         app.router.add_post(CHAT_PATH, self._chat)
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/health", self._health)
+        app.router.add_post(END_PATH, self.leases.end_handler)
         app.on_startup.append(self._on_startup)
         app.on_cleanup.append(self._on_cleanup)
         return app
@@ -533,6 +538,7 @@ class Router:
         self._upstream = UpstreamClient(connect_timeout_s=self.config.connect_timeout_s)
 
     async def _on_cleanup(self, app: web.Application) -> None:
+        await self.leases.stop()
         if self._upstream is not None:
             self._upstream.close()
             self._upstream = None
@@ -590,6 +596,7 @@ class Router:
             "state_errors_total": self._state_errors,
             "stream_deadlines_total": self._stream_deadlines,
             "reuse_refused_total": dict(self._reuse_refused),
+            "decode_lease": self.leases.health(),
             "connections": {"open": self._connections.open if self._connections else 0,
                             "refused_total": self._connections.refused if self._connections else 0,
                             "refused_per_client_total": (self._connections.refused_per_client
@@ -660,7 +667,8 @@ class Router:
             request_id = parsed.client_request_id
         call = _Call(request_id=request_id, endpoint=endpoint, stream=parsed.stream,
                      conversation_id=parsed.conversation_id,
-                     client_request_id=parsed.client_request_id)
+                     client_request_id=parsed.client_request_id,
+                     ends=conversation_ends(request.headers))
         if call.conversation_id is not None:
             tenant_header = self.config.tenant_header
             tenant = request.headers.get(tenant_header) if tenant_header else None
@@ -775,7 +783,8 @@ class Router:
                 self._refuse_reuse(call, offer.refusal, offer.detail + (
                     "; left stored for that history" if start.kept else ""), claim.tokens)
             elif start.kv_transfer_params is not None:  # else another turn claimed them first
-                reuse = offer.params
+                reuse = await self.leases.claim(call.store_key, offer.params,
+                                                start.decode_instance)
         return await self._pull(request, body, call, headers, traceparent, reuse)
 
     # --- legs -------------------------------------------------------------------------------------
@@ -1069,6 +1078,9 @@ class Router:
         """Bidirectional: store the decode's returned params for the conversation's next turn,
         bound to the history their KV encodes (this turn's prompt and answer; ``reply`` is None
         where :meth:`_binds` says the turn stores nothing)."""
+        if call.ends:  # the conversation's last turn: its blocks are not kept for another
+            await self.leases.release_params(params, inst.url)
+            return
         if reply is None or not self._binds(call):
             return
         if isinstance(params, dict) and vllm_pd.holds_blocks(params):
@@ -1082,6 +1094,8 @@ class Router:
                                        binding.bind(params, history), inst.url)
             except Exception as exc:  # the answer is already the client's
                 self._state_failed(call, "store_params", exc)
+            else:
+                await self.leases.held(call.store_key, params, inst.url, turn_started=call.t0)
 
     def _count_stream_params(self, call: _Call, watcher: _SseWatcher,
                              inst: InstanceConfig) -> None:

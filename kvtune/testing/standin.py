@@ -8,7 +8,11 @@ benchmark the router where real vLLM engines are too slow to run many times. A s
 - a decode given ``do_remote_prefill`` params the prefill never issued answers 400;
 - in push mode the decode waits (bounded) for the prefill with the same ``X-Request-Id``;
 - a prefill given a decode's retained blocks that were already consumed or never retained
-  answers 400 (blocks are consumed once, as vLLM frees them after the read).
+  answers 400 (blocks are consumed once, as vLLM frees them after the read);
+- with ``lease=True`` the decode runs kvtune's real lease book and channel
+  (:mod:`kvtune.connectors.lease`) and the prefill refuses, and records in
+  ``ledger.lease_refusals``, a readback vLLM would decline (expiry within its margin) and one it
+  could not catch: blocks released or lapsed, or an expiry later than the decode's deadline.
 
 Streaming speaks either release's format (``sse_kv_params``): vLLM 0.32 sends no
 ``kv_transfer_params`` in SSE; vLLM 0.33 adds them, as a top-level ``kv_transfer_params`` key, to
@@ -38,6 +42,7 @@ from aiohttp import web
 from multidict import CIMultiDict, CIMultiDictProxy
 
 from kvtune import vllm_pd as pd
+from kvtune.connectors.lease import LeaseBook, LeaseChannel
 from kvtune.router.config import InstanceConfig
 
 T = TypeVar("T")
@@ -80,6 +85,11 @@ class StandInKvLedger:
     pushed: dict[str, asyncio.Event] = field(default_factory=dict)
     """Push: one event per request id, set when the prefill has 'written' the KV."""
     blocks: itertools.count = field(default_factory=lambda: itertools.count(1))
+    leases: dict[str, LeaseBook] = field(default_factory=dict)
+    """Renewable decode lease: the decode's book by remote_request_id (kvtune's real one)."""
+    lease_refusals: list[str] = field(default_factory=list)
+    """Why a prefill refused a readback of leased blocks (the checks vLLM makes, and one it
+    cannot: a read of blocks the decode released or let lapse)."""
 
     def push_event(self, request_id: str) -> asyncio.Event:
         return self.pushed.setdefault(request_id, asyncio.Event())
@@ -115,7 +125,7 @@ class StandInVllmServer:
 
     def __init__(self, role: str, name: str, ledger: StandInKvLedger, *, kv_port: int,
                  bidirectional: bool = False, decoder_ttl_s: float = 480.0,
-                 sse_format: str = "0.32") -> None:
+                 sse_format: str = "0.32", lease: bool = False) -> None:
         if role not in ("prefill", "decode"):
             raise ValueError(f"role: expected 'prefill' or 'decode', got {role!r}")
         if sse_format not in SSE_FORMATS:
@@ -135,6 +145,12 @@ class StandInVllmServer:
         self.received: list[ReceivedRequest] = []
         self.url = ""
         self._runner: web.AppRunner | None = None
+        self.lease_book: LeaseBook | None = None
+        """Decode with ``lease=True``: kvtune's real lease book and channel (the engine's part,
+        freeing blocks at their deadline, is played by the prefill's checks)."""
+        self.lease_channel: LeaseChannel | None = None
+        if lease and role == "decode":
+            self.lease_book = LeaseBook(3600.0)
 
     def instance(self) -> InstanceConfig:
         """This server as a router instance (with its engine id and side-channel port)."""
@@ -142,6 +158,8 @@ class StandInVllmServer:
                               kv_port=self.kv_port)
 
     async def start(self) -> None:
+        if self.lease_book is not None:
+            self.lease_channel = LeaseChannel(self.lease_book, 0)
         app = web.Application()
         app.router.add_post("/v1/completions", self._completion)
         app.router.add_post("/v1/chat/completions", self._completion)
@@ -157,6 +175,9 @@ class StandInVllmServer:
         self.url = f"http://127.0.0.1:{port}"
 
     async def stop(self) -> None:
+        if self.lease_channel is not None:
+            self.lease_channel.close()
+            self.lease_channel = None
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
@@ -218,6 +239,10 @@ class StandInVllmServer:
             if held is None or held.get(pd.REMOTE_BLOCK_IDS) != params[pd.REMOTE_BLOCK_IDS]:
                 return self._reject(request, body, 400, "decode blocks not retained (expired, "
                                     "consumed or never issued)")
+            refused = self._lease_refusal(str(params[pd.REMOTE_REQUEST_ID]), params)
+            if refused:
+                self.ledger.lease_refusals.append(refused)
+                return self._reject(request, body, 400, refused)
             pulled = min(int(params.get(pd.REMOTE_NUM_TOKENS) or 0), len(words))
         rid = request.headers.get("X-Request-Id", f"standin-{id(body)}")
         returned = self._kv_params(f"cmpl-{rid}-0", len(words), decode_side=False)
@@ -225,6 +250,24 @@ class StandInVllmServer:
         self.ledger.push_event(rid).set()  # push: the KV is "written"
         self._record(request, body, 200, returned, pulled)
         return web.json_response(self._answer(request.path, rid, ["P"], len(words), returned))
+
+    def _lease_refusal(self, rid: str, params: Mapping[str, Any]) -> str | None:
+        """A leased readback's checks: vLLM's (the expiry the prefill was given, within its
+        margin) and the safety one (the decode still holds the blocks, at least that long)."""
+        book = self.ledger.leases.pop(rid, None)
+        if book is None:
+            return None
+        held = book.held().get(rid)
+        book.gone({rid})
+        now = book.now()
+        if held is None or held <= now:
+            return f"read of {rid}'s blocks after the decode released them or they lapsed"
+        expiry = params.get(pd.REMOTE_BLOCKS_EXPIRY_TIME)
+        if not isinstance(expiry, (int, float)) or now + pd.READBACK_SAFETY_MARGIN_S >= expiry:
+            return f"readback declined: expiry {expiry!r} within vLLM's margin"
+        if expiry > held + 1e-6:
+            return f"params claim expiry {expiry} past the decode's deadline {held}"
+        return None
 
     async def _decode(self, request: web.Request, body: dict[str, Any],
                       params: dict[str, Any]) -> web.StreamResponse:
@@ -252,6 +295,11 @@ class StandInVllmServer:
         if self.bidirectional:
             returned = self._kv_params(f"cmpl-{rid}-0", len(words) + n_out, decode_side=True)
             self.ledger.retained[returned[pd.REMOTE_REQUEST_ID]] = returned
+            if self.lease_book is not None and self.lease_channel is not None:
+                self.lease_book.hold(returned[pd.REMOTE_REQUEST_ID],
+                                     returned[pd.REMOTE_BLOCKS_EXPIRY_TIME])
+                self.ledger.leases[returned[pd.REMOTE_REQUEST_ID]] = self.lease_book
+                returned[pd.PARAMS_LEASE_PORT] = self.lease_channel.port
         self._record(request, body, 200, returned)
         if not body.get("stream"):
             return web.json_response(self._answer(request.path, rid, out_words, len(words), returned,
@@ -348,13 +396,15 @@ class StandInVllmCluster:
     """
 
     def __init__(self, n_prefill: int = 1, n_decode: int = 1, *, bidirectional: bool = False,
-                 decoder_ttl_s: float = 480.0, sse_format: str = "0.32") -> None:
+                 decoder_ttl_s: float = 480.0, sse_format: str = "0.32",
+                 lease: bool = False) -> None:
         self.ledger = StandInKvLedger()
         self.prefill = [StandInVllmServer("prefill", f"standin-prefill-{i}", self.ledger,
                                           kv_port=15600 + i) for i in range(n_prefill)]
         self.decode = [StandInVllmServer("decode", f"standin-decode-{i}", self.ledger,
                                          kv_port=15700 + i, bidirectional=bidirectional,
-                                         decoder_ttl_s=decoder_ttl_s, sse_format=sse_format)
+                                         decoder_ttl_s=decoder_ttl_s, sse_format=sse_format,
+                                         lease=lease)
                        for i in range(n_decode)]
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
