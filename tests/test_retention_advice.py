@@ -78,6 +78,17 @@ def test_lease_captures_the_480s_ttl_reuse_with_a_fraction_of_its_block_seconds(
     assert leased.block_s < 0.5 * ttl.block_s
 
 
+@pytest.mark.parametrize("ttl_s", [84.0, 120.0, 480.0, 1800.0])
+@pytest.mark.parametrize("median_gap_s", [0.5, 25.0, 90.0])
+def test_chosen_lease_never_holds_more_than_its_ttl(ttl_s, median_gap_s):
+    gaps = [median_gap_s / 10, median_gap_s, median_gap_s * 10, ttl_s * 2]
+    convs = [_conv(gaps, cid=f"o{i}") for i in range(3)]
+    lease = R.choose_lease(convs, ttl_s)
+    assert lease.lapse_s <= ttl_s
+    fixed, leased = (play(convs, p, block_tokens=BLOCK) for p in (FixedTtl(ttl_s), lease))
+    assert leased.block_s <= fixed.block_s and leased.captured_tokens == fixed.captured_tokens
+
+
 def test_sweep_is_monotone_in_capture_and_memory():
     convs = [_conv([5.0, 50.0, 500.0, 5000.0])]
     out = sweep_ttl(convs, (60.0, 480.0, 7200.0), block_tokens=BLOCK)
@@ -139,7 +150,7 @@ def test_compare_recommends_the_lease_only_when_it_saves():
     assert adv.policy == R.POLICY_LEASE and adv.lease_recommended
     assert adv.block_s["lease"] < adv.block_s["fixed_ttl"]
     assert adv.captured_share["lease"] >= adv.captured_share["fixed_ttl"]
-    assert R.LEASE_MIN_S <= adv.lease_s <= 120.0
+    assert R.LEASE_MIN_S <= adv.lease_s <= vllm_pd.router_margin_s(120.0)
     assert adv.renew_every_s <= min(adv.lease_s, 120.0) - vllm_pd.MIN_ROUTER_MARGIN_S
     assert {s["ttl_s"] for s in adv.sweep} >= {120.0, 480.0}
     assert R.RetentionAdvice.from_dict(json.loads(json.dumps(adv.as_dict()))) == adv
@@ -240,3 +251,30 @@ def test_ttl_card_says_which_retention_policy():
     assert "Renewable lease recommended" in text and "200" in text and "1000" in text
     fixed = _retention_text({**lease, "policy": "fixed_ttl", "evidence": {"why": "few end"}})
     assert "fixed TTL stays (few end)" in fixed
+
+
+def test_explicit_ends_in_a_trace_make_the_lease_the_advice_and_no_value_moves(case_spans,
+                                                                                 tmp_path):
+    from kvtune.router.config import config_from_dict
+
+    df = case_spans.copy()
+    req = (df["name"].astype("object") == sc.SpanName.REQUEST.value).to_numpy(dtype=bool)
+    last = df[req].groupby(sc.CONVERSATION_ID)[sc.TURN].transform("max")
+    ends = pd.Series(False, index=df.index)
+    ends[last.index] = (df.loc[last.index, sc.TURN] == last).to_numpy(dtype=bool)
+    df[sc.CONVERSATION_END] = ends.astype("boolean")
+    assert ends.sum() == 30
+    base = recommend(case_spans, n_boot=10, use_simulator=False)
+    tu = recommend(df, n_boot=10, use_simulator=False)
+    for name in ("threshold", "ttl", "mode"):
+        assert getattr(tu, name).as_dict() == getattr(base, name).as_dict()
+    assert base.retention["policy"] == R.POLICY_FIXED_TTL
+    assert tu.retention["policy"] == R.POLICY_LEASE
+    assert tu.retention["evidence"]["ended_share"] == 1.0
+    assert tu.retention["block_s"]["lease"] < 0.9 * tu.retention["block_s"]["fixed_ttl"]
+    assert tu.mode.value == sc.Mode.BIDIRECTIONAL.value  # this trace's advice (seed 7)
+    out = write(tu, tmp_path / "out", model="m")
+    router = config_from_dict(yaml.safe_load((out / "router.yaml").read_text()),
+                              source="router.yaml")
+    assert router.lease_s == tu.retention["lease_s"]
+    assert router.lease_renew_every_s == tu.retention["renew_every_s"]

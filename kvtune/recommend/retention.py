@@ -8,9 +8,10 @@ The lease is chosen from the measured gaps and the recommended TTL ``T``:
 
 - live window ``idle_s`` = the router's TTL of ``T`` (``T`` minus its margin): the lease keeps
   offering exactly the next turns the TTL would;
-- ``lease_s`` = the median gap, within [:data:`LEASE_MIN_S`, :data:`LEASE_MAX_S`] and at most
-  ``T``: half the next turns come before a renewal is even due, and every conversation that neither
-  comes back nor ends pays at most ``lease_s`` past its live window;
+- ``lease_s`` = the median gap (half the next turns come before a renewal is even due), at most
+  the router's margin below ``T`` and at least :data:`LEASE_MIN_S`: a conversation that neither
+  comes back nor ends lapses ``lease_s`` after its last renewal, by ``T`` when ``T``'s margin is
+  at least :data:`LEASE_MIN_S` (``T`` >= 84 s), so the lease then never holds more than the TTL;
 - ``renew_every_s`` = ``lease_s`` / 3 (the router's default), which stays under the router's bound
   ``min(lease_s, T) - MIN_ROUTER_MARGIN_S``;
 - the decode's first hold is ``T`` (the exported ``decoder_kv_blocks_ttl``).
@@ -30,14 +31,11 @@ import numpy as np
 from kvtune import spans as sc
 from kvtune.analysis.conversations import Conversation, ended_share
 from kvtune.sim.retention import FixedTtl, Lease, PolicyResult, play, sweep_ttl
-from kvtune.vllm_pd import MIN_ROUTER_MARGIN_S, router_ttl_s
+from kvtune.vllm_pd import MIN_ROUTER_MARGIN_S, router_margin_s, router_ttl_s
 
 LEASE_MIN_S = 3 * MIN_ROUTER_MARGIN_S + 3.0
 """Shortest lease (21 s): a renewal every third of it still lands more than the router's margin
 before the deadline it extends."""
-LEASE_MAX_S = 60.0
-"""Longest lease chosen: each conversation that neither returns nor ends holds its blocks this long
-after its live window."""
 RENEWALS_PER_LEASE = 3
 """``renew_every_s = lease_s / 3``, the router's default."""
 LEASE_MIN_GAIN_SHARE = 0.1
@@ -93,7 +91,7 @@ def choose_lease(convs: Sequence[Conversation], ttl_s: float) -> Lease:
     ``ttl_s`` must leave room for one renewal: at least :data:`LEASE_MIN_S`."""
     gaps = np.asarray([g for c in convs for g in c.gaps_s], dtype=float)
     median = float(np.median(gaps)) if len(gaps) else LEASE_MIN_S
-    lease = min(max(median, LEASE_MIN_S), LEASE_MAX_S, float(ttl_s))
+    lease = max(min(median, router_margin_s(ttl_s)), LEASE_MIN_S)
     return Lease(lease_s=lease, renew_every_s=lease / RENEWALS_PER_LEASE,
                  idle_s=router_ttl_s(ttl_s), first_hold_s=float(ttl_s))
 
