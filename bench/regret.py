@@ -15,8 +15,15 @@ than vLLM's default TTL, and the public preset's reuse benchmark), on the public
 Prints one row per profile: best config and its p50, the recommendation and its p50 (and its
 regret against the best), the defaults' p50, and whether the recommendation is within
 ``WITHIN_SHARE`` of the best and not worse than the defaults. Exit status 1 if any row fails.
+Then lease-versus-TTL rows (:func:`lease_rows`): agent conversations with heavy-tailed lognormal
+think times (under a second to minutes), some ending early with an explicit end, played through
+``kvtune.sim.retention`` under vLLM's fixed 480 s TTL, the TTL kvtune's TTL advice picks, the
+cheapest swept TTL capturing as much as the lease, and the lease ``kvtune.recommend.retention``
+chooses: reuse captured and decode block-seconds per policy.
+
 Run: ``flock /tmp/kvtune-heavy.lock env PYTHONPATH=$PWD .venv/bin/python bench/regret.py``
-(``--quick`` for shorter traffic; ``--out FILE`` also writes the table as Markdown).
+(``--quick`` for shorter traffic; ``--lease-only`` for the lease rows alone (a second); ``--out
+FILE`` also writes the tables as Markdown).
 """
 from __future__ import annotations
 
@@ -27,9 +34,15 @@ import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+import numpy as np
 from tqdm import tqdm
 
+from kvtune.analysis.conversations import Conversation
+from kvtune.analysis.workload import Workload
 from kvtune.recommend import NEVER, recommend
+from kvtune.recommend.retention import SWEEP_TTLS_S, choose_lease
+from kvtune.recommend.ttl import recommend_ttl
+from kvtune.sim.retention import FixedTtl, PolicyResult, play
 from kvtune.sim import Dist, SimConfig, WorkloadSpec, presets, simulate
 from kvtune.spans import Mode
 from kvtune.testing import synthetic
@@ -201,6 +214,126 @@ def table(rows: list[Row], profs: list[Profile]) -> str:
     return "\n".join(lines)
 
 
+@dataclass(frozen=True)
+class LeaseProfile:
+    name: str
+    what: str
+    n_conversations: int
+    ended_share: float
+    """Share of conversations that end explicitly (the rest just stop)."""
+    early_end_share: float
+    """Share of conversations cut short (1 to 3 turns instead of up to 12)."""
+    think_median_s: float = 4.0
+    think_sigma: float = 2.0
+    """Lognormal think time: median 4 s, sigma 2 -> p10 0.3 s, p90 52 s, p99 420 s."""
+
+
+LEASE_PROFILES: tuple[LeaseProfile, ...] = (
+    LeaseProfile("agents-most-end", "90% end explicitly, 30% after 1-3 turns", 2000, 0.9, 0.3),
+    LeaseProfile("agents-half-end", "50% end explicitly, 30% after 1-3 turns", 2000, 0.5, 0.3),
+    LeaseProfile("agents-none-end", "no explicit ends, 30% stop after 1-3 turns", 2000, 0.0, 0.3),
+)
+LEASE_SEED = 3
+LEASE_THRESHOLD_TOKENS = 256
+"""Histories shorter than this are recomputed anyway (not reusable)."""
+
+
+def agent_conversations(p: LeaseProfile, seed: int = LEASE_SEED) -> list[Conversation]:
+    """Synthetic agent conversations: 2-12 turns (1-3 when cut short), ~1.5k-token first prompts,
+    ~400 tokens added per turn, lognormal think times; an explicit end, when there is one, comes
+    with the last turn or within a second of it."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(p.n_conversations):
+        early = rng.random() < p.early_end_share
+        turns = int(rng.integers(1, 4) if early else rng.integers(2, 13))
+        hist = np.cumsum(rng.lognormal(np.log(1500.0), 0.4, 1)[0]
+                         + rng.lognormal(np.log(400.0), 0.5, turns)).astype(int)
+        gaps = rng.lognormal(np.log(p.think_median_s), p.think_sigma, turns - 1)
+        end = float(rng.uniform(0.0, 1.0)) if rng.random() < p.ended_share else None
+        out.append(Conversation(f"c{i}", tuple(float(g) for g in gaps),
+                                tuple(int(h) for h in hist[:-1]), int(hist[-1]), end))
+    return out
+
+
+LEASE_CONVERSATIONS_PER_S = 0.5
+"""Conversation arrival rate the TTL advice's memory budget is checked against."""
+
+
+def _kvtune_ttl_s(convs: list[Conversation]) -> float:
+    """The TTL kvtune's TTL advice picks for these conversations (the preset's bytes per token and
+    :func:`preset_hbm_budget_gb`, conversations arriving at ``LEASE_CONVERSATIONS_PER_S``)."""
+    gaps = [g for c in convs for g in c.gaps_s]
+    wl = Workload(n_requests=sum(len(c.gaps_s) + 1 for c in convs), qps=float("nan"),
+                  prompt_tokens_p50=float("nan"), prompt_tokens_p90=float("nan"),
+                  prompt_tokens_p99=float("nan"), output_tokens_p50=float("nan"),
+                  multi_turn_share=0.0, turns_per_conversation_mean=0.0, gaps_s=tuple(gaps),
+                  reuse_outcomes={}, duration_s=len(convs) / LEASE_CONVERSATIONS_PER_S,
+                  n_conversations=len(convs),
+                  gap_tokens=tuple(t for c in convs for t in c.gap_tokens),
+                  final_tokens=tuple(c.final_tokens for c in convs))
+    bpt = presets.public_h200_qwen3_32b().transfer.kv_bytes_per_token
+    rec, _ = recommend_ttl(wl, bytes_per_token=bpt, hbm_budget_gb=preset_hbm_budget_gb(),
+                           threshold_tokens=LEASE_THRESHOLD_TOKENS)
+    return float(rec.value)
+
+
+@dataclass(frozen=True)
+class LeaseRow:
+    profile: str
+    policy: str
+    result: PolicyResult
+    vs_ttl_block_s: float
+    """Block-seconds over those of the fixed TTL the row is matched with."""
+    vs_default_block_s: float
+    """Block-seconds over vLLM's fixed 480 s TTL's."""
+
+
+def lease_rows(p: LeaseProfile) -> list[LeaseRow]:
+    """Per reference TTL (vLLM's 480 s, kvtune's TTL advice): the fixed TTL, and the lease
+    ``kvtune.recommend.retention`` chooses beside it (live window: that TTL's router TTL); then
+    the cheapest swept TTL capturing as much as the lease beside kvtune's TTL."""
+    convs = agent_conversations(p)
+    kw = {"threshold_tokens": LEASE_THRESHOLD_TOKENS}
+    default = play(convs, FixedTtl(VLLM_DEFAULT_TTL_S), **kw)
+    out: list[LeaseRow] = []
+    ttl = _kvtune_ttl_s(convs)
+    for t, what in ((VLLM_DEFAULT_TTL_S, "vLLM default"), (ttl, "kvtune's TTL advice")):
+        fixed = play(convs, FixedTtl(t), **kw)
+        lease = choose_lease(convs, t)
+        leased = play(convs, lease, **kw)
+        out.append(LeaseRow(p.name, f"fixed TTL {t:g} s ({what})", fixed, 1.0,
+                            fixed.block_s / default.block_s))
+        out.append(LeaseRow(p.name, f"lease {lease.lease_s:.3g} s, renew {lease.renew_every_s:.3g}"
+                            f" s, live {lease.idle_s:.4g} s", leased, leased.block_s / fixed.block_s,
+                            leased.block_s / default.block_s))
+    swept = [(t, play(convs, FixedTtl(t), **kw)) for t in sorted(set(SWEEP_TTLS_S) | {ttl})]
+    equal = [(t, r) for t, r in swept if r.captured_tokens >= leased.captured_tokens]
+    if equal:
+        t, r = min(equal, key=lambda x: x[1].block_s)
+        out.append(LeaseRow(p.name, f"fixed TTL {t:g} s (cheapest swept TTL capturing as much as "
+                            f"the lease above)", r, 1.0, r.block_s / default.block_s))
+    return out
+
+
+def lease_table(rows: list[LeaseRow]) -> str:
+    what = {p.name: p.what for p in LEASE_PROFILES}
+    lines = ["| profile | traffic | policy | reuse captured | block-s held | vs its TTL "
+             "| vs 480 s TTL |", "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r.profile} | {what[r.profile]} | {r.policy} "
+                     f"| {r.result.captured_share:.1%} | {r.result.block_s:.4g} "
+                     f"| {r.vs_ttl_block_s:.0%} | {r.vs_default_block_s:.0%} |")
+    return "\n".join(lines)
+
+
+def lease_head() -> str:
+    p = LEASE_PROFILES[0]
+    return (f"## Renewable lease vs fixed TTL (kvtune.sim.retention; {p.n_conversations} "
+            f"conversations per profile, lognormal think times median {p.think_median_s:g} s "
+            f"sigma {p.think_sigma:g}, threshold {LEASE_THRESHOLD_TOKENS} tokens, seed {LEASE_SEED})")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="a third of the traffic (smoke run)")
@@ -208,7 +341,13 @@ def main() -> int:
     ap.add_argument("--out", help="also write the table (Markdown) to this file")
     ap.add_argument("--hbm-budget-gb", type=float, default=None,
                     help="recommend's hbm_budget_gb (default: half the preset decode's KV memory)")
+    ap.add_argument("--lease-only", action="store_true", help="only the lease-versus-TTL rows")
     args = ap.parse_args()
+    lrows = [r for lp in LEASE_PROFILES for r in lease_rows(lp)]
+    ltable = lease_head() + "\n\n" + lease_table(lrows)
+    if args.lease_only:
+        print(ltable)
+        return 0
     profs = profiles(1 / 3 if args.quick else 1.0)
     if args.only:
         keep = set(args.only.split(","))
@@ -236,9 +375,11 @@ def main() -> int:
     failed = [r.profile for r in rows if not r.ok]
     print(f"\n{len(rows) - len(failed)} of {len(rows)} profiles within {WITHIN_SHARE:.0%} of the best "
           f"and not worse than vLLM's defaults" + (f"; failing: {', '.join(failed)}" if failed else ""))
+    print()
+    print(ltable)
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(head + "\n\n" + out + "\n", encoding="utf-8")
+        Path(args.out).write_text(head + "\n\n" + out + "\n\n" + ltable + "\n", encoding="utf-8")
     return 1 if failed else 0
 
 

@@ -189,6 +189,10 @@ RETENTION_RENEWALS: Final = "kv.retention.renewals"
 RETENTION_LEASE_S: Final = "kv.retention.lease_s"
 """On ``kv.retention`` (renewable decode lease on): the length of the last renewal granted,
 seconds (absent: never renewed; the first hold is ``kv.retention.ttl_s``)."""
+CONVERSATION_END: Final = "kv.conversation.end"
+"""On ``kv.request`` (router): True when the client said this turn is its conversation's last
+(``X-Kvtune-Conversation-End``); the analysis also reads an end from ``kv.retention`` spans whose
+outcome is ``ended``."""
 PROBE_ITERATION: Final = "kv.probe.iteration"
 """Probe: iteration index within one sweep point."""
 PROBE_WARMUP: Final = "kv.probe.warmup"
@@ -316,6 +320,7 @@ ATTRIBUTE_TYPES: Final[dict[str, type]] = {
     DECODE_INSTANCE: str, STREAM: bool, HTTP_STATUS: int, REUSE_OUTCOME: str,
     REUSE_REMOTE_TOKENS: int, REUSE_THRESHOLD_TOKENS: int, RETENTION_TTL_S: float,
     RETENTION_OUTCOME: str, RETENTION_RENEWALS: int, RETENTION_LEASE_S: float,
+    CONVERSATION_END: bool,
     PROBE_ITERATION: int, PROBE_WARMUP: bool, PROBE_LAYOUT: str,
     ERROR_TYPE: str, HTTP_CONNECTION_REUSED: bool, HTTP_REQUEST_BYTES: int,
     HTTP_RESPONSE_BYTES: int,

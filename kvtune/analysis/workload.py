@@ -145,6 +145,34 @@ def _requests(spans: pd.DataFrame) -> tuple[pd.DataFrame, str]:
     return out.reset_index(drop=True), "conversation ids"
 
 
+def _conversation_turns(req: pd.DataFrame) -> pd.DataFrame:
+    """The requests of ``req`` that name a conversation, in turn order, with ``hist_tokens`` (prompt +
+    output tokens), ``prev_hist_tokens`` (the previous turn's), ``gap_s`` (since the previous turn's end,
+    >= 0; NaN for a first turn) and ``later`` (not a first turn)."""
+    conv = req[req["conversation"].notna().to_numpy(dtype=bool)].copy()
+    conv["_t"] = conv["turn"].astype("Float64").fillna(-1.0).astype(float)
+    conv = conv.sort_values(["conversation", "_t", "start_ns"], kind="stable")
+    conv["hist_tokens"] = (conv["prompt"].astype("Float64").fillna(0.0)
+                     + conv["output"].astype("Float64").fillna(0.0)).astype(float)
+    g = conv.groupby("conversation", sort=False)
+    prev_end = g["end_ns"].shift(1)
+    conv["prev_hist_tokens"] = g["hist_tokens"].shift(1)
+    conv["later"] = prev_end.notna().to_numpy(dtype=bool)
+    conv["gap_s"] = ((conv["start_ns"].astype(float) - prev_end.astype(float)) / 1e9).clip(lower=0.0)
+    return conv
+
+
+def conversation_turns(spans: pd.DataFrame) -> pd.DataFrame:
+    """One row per turn of a named conversation, in turn order (the rows :func:`workload` reads
+    its gaps from): ``conversation``, ``turn``, ``start_ns``, ``end_ns``, ``prompt``, ``output``,
+    ``hist_tokens``, ``prev_hist_tokens``, ``gap_s``, ``later``. Raises :class:`AnalysisError` as
+    :func:`workload` does."""
+    if "name" not in spans.columns:
+        raise AnalysisError("conversation_turns: spans frame has no 'name' column; expected the "
+                            "shape of kvtune.traces.load")
+    return _conversation_turns(_requests(spans)[0])
+
+
 def workload(spans: pd.DataFrame) -> Workload:
     """Summarise the traffic in ``spans`` (see module doc). Raises :class:`AnalysisError` when no
     request can be found."""
@@ -164,19 +192,13 @@ def workload(spans: pd.DataFrame) -> Workload:
     prompts = req["prompt"].dropna().to_numpy(dtype=float)
     outputs = req["output"].dropna().to_numpy(dtype=float)
 
-    conv = req[req["conversation"].notna().to_numpy(dtype=bool)].copy()
-    conv["_t"] = conv["turn"].astype("Float64").fillna(-1.0).astype(float)
-    conv = conv.sort_values(["conversation", "_t", "start_ns"], kind="stable")
-    conv["_hist"] = (conv["prompt"].astype("Float64").fillna(0.0)
-                     + conv["output"].astype("Float64").fillna(0.0)).astype(float)
+    conv = _conversation_turns(req)
     g = conv.groupby("conversation", sort=False)
-    prev_end = g["end_ns"].shift(1)
-    prev_hist = g["_hist"].shift(1)
-    later = prev_end.notna().to_numpy(dtype=bool)
-    gap_s = ((conv["start_ns"].astype(float) - prev_end.astype(float)) / 1e9).clip(lower=0.0)
+    prev_hist, gap_s = conv["prev_hist_tokens"], conv["gap_s"]
+    later = conv["later"].to_numpy(dtype=bool)
     gaps = gap_s[later].tolist()
     gap_tokens = prev_hist[later].astype(int).tolist()
-    final_tokens = g["_hist"].last().astype(int).tolist()
+    final_tokens = g["hist_tokens"].last().astype(int).tolist()
     turns = g.size().tolist()
     n_later = int(later.sum())
     per_request: list[TracedRequest] = []

@@ -35,6 +35,7 @@ from kvtune.errors import ConfigError
 from kvtune.export.model import PLACEHOLDER, ModelName, name_problem
 from kvtune.recommend.evidence import JsonEvidence, ModeEvidence, ThresholdEvidence, TtlEvidence
 from kvtune.recommend.results import NEVER, Tuning
+from kvtune.recommend.retention import POLICY_FIXED_TTL, POLICY_LEASE
 from kvtune.vllm_pd import router_margin_s
 
 EXPORT_MARKER = ".kvtune-export"
@@ -85,6 +86,8 @@ def kv_transfer_configs(tuning: Tuning, *, connector: str = "kvtune",
         # vLLM's push connector also uses the TTL as its registration timeout: never write 0 there.
         if bidi or ttl > 0:
             ex[vllm_pd.DECODER_KV_BLOCKS_TTL] = ttl
+        if role == "decode" and connector == "kvtune" and _lease(tuning) is not None:
+            ex[vllm_pd.LEASE_PORT] = 0  # the lease channel on any free loopback port
         ex.update(extra or {})
         out[role] = vllm_pd.kv_transfer_config(
             role, mode, connector=connector, kv_buffer_device=kv_buffer_device, extra_config=ex,
@@ -123,7 +126,20 @@ def router_config(tuning: Tuning, *, prefill_url: str, decode_url: str,
     if mode == sc.Mode.BIDIRECTIONAL.value and ttl > 0:
         cfg["decoder_ttl_s"] = ttl
         cfg["margin_s"] = router_margin_s(ttl)
+        lease = _lease(tuning)
+        if lease is not None:
+            cfg["lease_s"], cfg["lease_renew_every_s"], cfg["lease_idle_s"] = lease
     return cfg
+
+
+def _lease(tuning: Tuning) -> tuple[float, float, float] | None:
+    """(lease_s, renew_every_s, idle_s) when the renewable decode lease is recommended
+    (``tuning.retention``, bidirectional mode only); else None."""
+    r = tuning.retention
+    if (not r or r.get("policy") != POLICY_LEASE
+            or str(tuning.mode.value) != sc.Mode.BIDIRECTIONAL.value):
+        return None
+    return float(r["lease_s"]), float(r["renew_every_s"]), float(r["idle_s"])
 
 
 def _versions_line(tuning: Tuning) -> str:
@@ -174,6 +190,7 @@ def _report(tuning: Tuning, model: ModelName, files: dict[str, str]) -> str:
                    f"{ev.retained_gb_at_ttl:.3g} GB of decode HBM (budget "
                    f"{ev.hbm_budget_gb} GB); the router's TTL is "
                    f"{ev.router_params_ttl_s} s.")
+    why += _retention_lines(tuning)
     if why:
         lines += ["Why:", "", *why, ""]
     if m.value != sc.Mode.BIDIRECTIONAL.value:
@@ -210,6 +227,30 @@ def _report(tuning: Tuning, model: ModelName, files: dict[str, str]) -> str:
                   "`kv_port` in router.yaml.", ""]
     lines += ["Assumptions and evidence: `recommendation.json`.", ""]
     return "\n".join(lines)
+
+
+def _retention_lines(tuning: Tuning) -> list[str]:
+    """REPORT.md's lines on fixed TTL vs the renewable lease (``tuning.retention``)."""
+    r = tuning.retention
+    if not r:
+        return []
+    bs, cs = r["block_s"], r["captured_share"]
+
+    def share(v: float | None) -> str:
+        return "n/a" if v is None else f"{v:.0%}"
+
+    lines = [f"- retention: **{r['policy']}** ({r['evidence'].get('why')}). Over the traced "
+             f"conversations ({share(r['evidence'].get('ended_share'))} ended explicitly) the "
+             f"fixed TTL {r['ttl_s']:g} s holds {bs[POLICY_FIXED_TTL]:.3g} decode block-s and "
+             f"captures {share(cs[POLICY_FIXED_TTL])} of reusable history; the renewable lease "
+             f"{bs[POLICY_LEASE]:.3g} block-s, capturing {share(cs[POLICY_LEASE])}."]
+    if r["policy"] == POLICY_LEASE:
+        from kvtune.router.lease import END_HEADER, END_PATH  # aiohttp: only when needed
+        lines.append(f"  router.yaml renews every {r['renew_every_s']:.3g} s for "
+                     f"{r['lease_s']:.3g} s while the conversation is live (up to "
+                     f"{r['idle_s']:.3g} s after its last turn); clients should end conversations "
+                     f"explicitly (`{END_HEADER}: 1` on the last turn, or `POST {END_PATH}`).")
+    return lines
 
 
 def _write_text(d: Path, name: str, text: str) -> None:

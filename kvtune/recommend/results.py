@@ -68,12 +68,16 @@ class Tuning:
     span_count: int
     extra: dict[str, Any] = field(default_factory=dict)
     """Further evidence (workload summary, prefill cost, transfer counts, router TTL)."""
+    retention: dict[str, Any] | None = None
+    """Fixed TTL against the renewable lease (``RetentionAdvice.as_dict()``,
+    :mod:`kvtune.recommend.retention`); None when not compared (see the findings)."""
 
     def as_dict(self) -> dict[str, Any]:
         return {"threshold": self.threshold.as_dict(), "ttl": self.ttl.as_dict(),
                 "mode": self.mode.as_dict(), "findings": [f.as_dict() for f in self.findings],
                 "fit": plain(self.fit) if self.fit is not None else None,
-                "source": self.source, "span_count": self.span_count, "extra": plain(self.extra)}
+                "source": self.source, "span_count": self.span_count, "extra": plain(self.extra),
+                "retention": plain(self.retention) if self.retention is not None else None}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Tuning:
@@ -83,4 +87,5 @@ class Tuning:
                    Recommendation.from_dict(d["mode"]),
                    tuple(Finding.from_dict(f) for f in d["findings"]),
                    FloorFit.from_dict(d["fit"]) if d["fit"] is not None else None,
-                   d["source"], d["span_count"], dict(d["extra"]))
+                   d["source"], d["span_count"], dict(d["extra"]),
+                dict(d["retention"]) if d.get("retention") is not None else None)

@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from kvtune.analysis.conversations import conversations as conversations_of
 from kvtune.analysis.fit import FloorFit, fit_floor
 from kvtune.analysis.hops import router_hops
 from kvtune.analysis.modes import measured_ttft, split_modes, traced_settings
@@ -20,8 +21,10 @@ from kvtune.errors import AnalysisError, ConfigError
 from kvtune.recommend.findings import readiness, unnamed_time_finding, versions_in
 from kvtune.recommend.mode import TracedPath, recommend_mode
 from kvtune.recommend.results import NEVER, Finding, Tuning
+from kvtune.recommend.retention import compare as compare_retention
 from kvtune.recommend.threshold import pickup_of, recommend_threshold
 from kvtune.recommend.ttl import recommend_ttl
+from kvtune.sim.retention import DEFAULT_BLOCK_TOKENS
 
 logger = logging.getLogger(__name__)
 
@@ -293,6 +296,9 @@ def recommend(spans: pd.DataFrame, *, geometry: Any = None,
                              traced_settings=traced_settings(spans),
                              traced_path=TracedPath(path, split.main, mode_prefill, block, loop_us))
     findings += f
+    retention, f = _retention(spans, ttl_s=float(ttl.value), mode=str(mode.value),
+                              threshold_tokens=thr_tokens, block_tokens=block)
+    findings += f
     findings += readiness(tr, traced, fit=fit, workload=wl, fabric=fabric)
     unnamed = unnamed_time_finding(traced)  # where TTFT has no span's name (issue 33)
     findings += [unnamed] if unnamed is not None else []
@@ -317,4 +323,24 @@ def recommend(spans: pd.DataFrame, *, geometry: Any = None,
     if traced.attrs.get("tempo_reads"):  # the source section: what each Tempo read got and missed
         extra["tempo_reads"] = [r.as_dict() for r in traced.attrs["tempo_reads"]]
     return Tuning(threshold=thr, ttl=ttl, mode=mode, findings=tuple(findings), fit=fit,
-                  source=source, span_count=int(len(traced)), extra=extra)
+                  source=source, span_count=int(len(traced)), extra=extra, retention=retention)
+
+
+def _retention(spans: pd.DataFrame, *, ttl_s: float, mode: str, threshold_tokens: float,
+               block_tokens: int | None) -> tuple[dict[str, Any] | None, list[Finding]]:
+    """Fixed TTL vs the renewable lease (:mod:`kvtune.recommend.retention`); a comparison that
+    cannot be made, or fails, is a finding and leaves every other value as it is."""
+    try:
+        convs = conversations_of(spans)
+        advice = compare_retention(convs, ttl_s=ttl_s, mode=mode, threshold_tokens=threshold_tokens,
+                                   block_tokens=block_tokens or DEFAULT_BLOCK_TOKENS)
+    except ValueError as exc:
+        return None, [Finding("retention_not_compared", "info",
+                              f"fixed TTL vs renewable lease not compared: {exc}", {})]
+    except Exception as exc:  # advice on top of the TTL: never let it break the tuning
+        logger.warning("retention comparison failed", exc_info=True)
+        return None, [Finding("retention_comparison_failed", "warning",
+                              f"fixed TTL vs renewable lease comparison failed "
+                              f"({type(exc).__name__}: {exc}); the other values stand",
+                              {"error": type(exc).__name__})]
+    return advice.as_dict(), []

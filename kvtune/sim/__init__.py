@@ -5,7 +5,8 @@ spans as the instrumented connectors, plus :func:`expected_ttft` for the mode re
 Modules, each importing only those before it: ``config`` (inputs) -> ``presets`` ->
 ``calibrate`` (fits into a preset, with sources) ; ``timeline`` (what happened) ; ``workload``
 (traffic) -> ``engine`` -> ``otlp`` (spans) -> ``result`` (``simulate``) -> ``estimate``
-(``expected_ttft``) -> ``outdir`` -> ``cli``.
+(``expected_ttft``) -> ``outdir`` -> ``cli``; ``retention`` (fixed TTL vs renewable lease over
+conversations, pure) stands apart.
 """
 from __future__ import annotations
 

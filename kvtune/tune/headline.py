@@ -14,6 +14,7 @@ from typing import Any
 
 from kvtune.recommend.results import MODE_NAME, NEVER
 from kvtune.tune.numbers import fmt_num, fmt_share, fmt_value
+from kvtune.recommend.retention import POLICY_FIXED_TTL, POLICY_LEASE
 from kvtune.vllm_pd import DECODER_KV_BLOCKS_TTL, KV_RECOMPUTE_THRESHOLD
 
 THRESHOLD = KV_RECOMPUTE_THRESHOLD
@@ -110,7 +111,23 @@ def _exact(value: Any, shown: str) -> str:
     return "" if written == shown else f"{written} in the config files"
 
 
-def _ttl_card(r: Mapping[str, Any]) -> ValueCard:
+def _retention_text(ret: Mapping[str, Any] | None) -> str:
+    """The TTL card's sentence on fixed TTL vs the renewable lease (``retention`` in
+    ``recommendation.json``); empty when not compared."""
+    if not ret:
+        return ""
+    bs, cs = ret.get("block_s") or {}, ret.get("captured_share") or {}
+    ttl_bs, lease_bs = bs.get(POLICY_FIXED_TTL), bs.get(POLICY_LEASE)
+    if ret.get("policy") == POLICY_LEASE:
+        return (f" Renewable lease recommended: renewed every {fmt_num(ret.get('renew_every_s'))} s "
+                f"for {fmt_num(ret.get('lease_s'))} s while the conversation is live, it keeps "
+                f"{fmt_share(cs.get(POLICY_LEASE))} of that history for {fmt_num(lease_bs)} block-s "
+                f"against the fixed TTL's {fmt_num(ttl_bs)}.")
+    return (f" A renewable lease would hold {fmt_num(lease_bs)} block-s against the fixed TTL's "
+            f"{fmt_num(ttl_bs)}: the fixed TTL stays ({(ret.get('evidence') or {}).get('why')}).")
+
+
+def _ttl_card(r: Mapping[str, Any], retention: Mapping[str, Any] | None = None) -> ValueCard:
     value, rng, ev = r.get("value"), list(r.get("range") or (None, None)), r.get("evidence") or {}
     v, lo, hi = fmt_value(value, rng[0], rng[1])
     if ev.get("captured_share") is not None and ev.get("retained_gb_at_ttl") is not None:
@@ -121,7 +138,8 @@ def _ttl_card(r: Mapping[str, Any]) -> ValueCard:
                f"{fmt_num(ev.get('router_params_ttl_s'))} s.")
     else:
         why = "No conversation in the trace came back for a second turn: nothing is worth keeping."
-    return ValueCard(TTL, v, "s", f"range {lo} – {hi} s", why, _exact(value, v))
+    return ValueCard(TTL, v, "s", f"range {lo} – {hi} s", why + _retention_text(retention),
+                     _exact(value, v))
 
 
 def _mode_card(r: Mapping[str, Any]) -> ValueCard:
@@ -202,7 +220,7 @@ def build(rec: Mapping[str, Any], *, configs_rel: str = "configs") -> Headline:
     return Headline(
         model=model, model_source=str(rec.get("model_source") or ""),
         model_known=model != PLACEHOLDER,
-        cards=(_threshold_card(recs[THRESHOLD]), _ttl_card(recs[TTL]), _mode_card(recs[MODE])),
+        cards=(_threshold_card(recs[THRESHOLD]), _ttl_card(recs[TTL], rec.get("retention")), _mode_card(recs[MODE])),
         confidence=_confidence(rec), verification=Verification.from_json(rec.get(VERIFY_KEY)),
         commands=_commands(rec, configs_rel), findings=tuple(rec.get("findings") or ()))
 
