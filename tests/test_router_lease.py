@@ -5,8 +5,10 @@ readback of released or lapsed blocks and one whose expiry is past the decode's 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
+from collections.abc import Iterator
 
 import pytest
 
@@ -26,6 +28,16 @@ with a renewal every second (min(lease, TTL) - 6 s)."""
 LEASE = {"lease_s": TTL_S, "lease_renew_every_s": 0.5, "lease_idle_s": 60.0}
 
 
+@contextlib.contextmanager
+def _leased(tmp_path, lease: dict = LEASE) -> Iterator[tuple[StandInVllmCluster, RouterInThread]]:
+    """A stand-in 1P1D bidirectional cluster whose decode runs the lease, and a router leasing."""
+    with StandInVllmCluster(1, 1, bidirectional=True, decoder_ttl_s=TTL_S, lease=True) as cluster, \
+            RouterInThread(cluster.router_config("bidirectional", decoder_ttl_s=TTL_S,
+                                                 state=f"sqlite:{tmp_path}/s.db",
+                                                 **lease)) as router:
+        yield cluster, router
+
+
 def _turn(url: str, prompt: str, conv: str, **headers: str) -> tuple[str, int]:
     r = post(url + "/v1/completions", {"model": "m", "prompt": prompt, "max_tokens": 3,
                                        "conversation_id": conv}, headers=headers)
@@ -39,10 +51,7 @@ def _prefill_params(cluster: StandInVllmCluster) -> list[dict]:
 
 
 def test_renewed_blocks_are_offered_after_the_first_ttl_with_the_renewed_expiry(tmp_path) -> None:
-    with StandInVllmCluster(1, 1, bidirectional=True, decoder_ttl_s=TTL_S, lease=True) as cluster, \
-            RouterInThread(cluster.router_config("bidirectional", decoder_ttl_s=TTL_S,
-                                                 state=f"sqlite:{tmp_path}/s.db",
-                                                 **LEASE)) as router:
+    with _leased(tmp_path) as (cluster, router):
         history, _ = _turn(router.url, "hello " * 8, "conv-A")
         book = cluster.decode[0].lease_book
         ((rid, first),) = book.held().items()
@@ -60,10 +69,7 @@ def test_renewed_blocks_are_offered_after_the_first_ttl_with_the_renewed_expiry(
 
 
 def test_end_endpoint_forgets_then_releases_and_the_next_turn_recomputes(tmp_path) -> None:
-    with StandInVllmCluster(1, 1, bidirectional=True, decoder_ttl_s=TTL_S, lease=True) as cluster, \
-            RouterInThread(cluster.router_config("bidirectional", decoder_ttl_s=TTL_S,
-                                                 state=f"sqlite:{tmp_path}/s.db",
-                                                 **LEASE)) as router:
+    with _leased(tmp_path) as (cluster, router):
         history, _ = _turn(router.url, "hello " * 8, "conv-B")
         book = cluster.decode[0].lease_book
         ((rid, _first),) = book.held().items()
@@ -78,10 +84,7 @@ def test_end_endpoint_forgets_then_releases_and_the_next_turn_recomputes(tmp_pat
 
 
 def test_end_header_releases_the_turns_blocks_instead_of_keeping_them(tmp_path) -> None:
-    with StandInVllmCluster(1, 1, bidirectional=True, decoder_ttl_s=TTL_S, lease=True) as cluster, \
-            RouterInThread(cluster.router_config("bidirectional", decoder_ttl_s=TTL_S,
-                                                 state=f"sqlite:{tmp_path}/s.db",
-                                                 **LEASE)) as router:
+    with _leased(tmp_path) as (cluster, router):
         history, _ = _turn(router.url, "hello " * 8, "conv-C", **{END_HEADER: "1"})
         book = cluster.decode[0].lease_book
         ((rid, _first),) = book.held().items()
@@ -92,10 +95,7 @@ def test_end_header_releases_the_turns_blocks_instead_of_keeping_them(tmp_path) 
 
 def test_leases_past_the_idle_time_lapse_and_are_not_offered(tmp_path) -> None:
     lease = {**LEASE, "lease_idle_s": 1.0}
-    with StandInVllmCluster(1, 1, bidirectional=True, decoder_ttl_s=TTL_S, lease=True) as cluster, \
-            RouterInThread(cluster.router_config("bidirectional", decoder_ttl_s=TTL_S,
-                                                 state=f"sqlite:{tmp_path}/s.db",
-                                                 **lease)) as router:
+    with _leased(tmp_path, lease) as (cluster, router):
         history, _ = _turn(router.url, "hello " * 8, "conv-D")
         time.sleep(TTL_S + 1)  # renewals stop after 1 s; the first hold runs out
         _turn(router.url, history + " more", "conv-D")
@@ -160,10 +160,7 @@ def test_lease_config_is_checked_and_written_only_when_on() -> None:
 
 
 def test_an_unreachable_channel_withholds_the_history_and_the_turn_recomputes(tmp_path) -> None:
-    with StandInVllmCluster(1, 1, bidirectional=True, decoder_ttl_s=TTL_S, lease=True) as cluster, \
-            RouterInThread(cluster.router_config("bidirectional", decoder_ttl_s=TTL_S,
-                                                 state=f"sqlite:{tmp_path}/s.db",
-                                                 **LEASE)) as router:
+    with _leased(tmp_path) as (cluster, router):
         history, _ = _turn(router.url, "hello " * 8, "conv-G")
         channel, cluster.decode[0].lease_channel = cluster.decode[0].lease_channel, None
         channel.close()  # the decode's channel is gone; its blocks stay held until they lapse
@@ -195,10 +192,7 @@ def test_records_of_conversations_that_never_return_are_swept() -> None:
 
 
 def test_a_turn_in_flight_when_its_conversation_ends_releases_its_blocks(tmp_path) -> None:
-    with StandInVllmCluster(1, 1, bidirectional=True, decoder_ttl_s=TTL_S, lease=True) as cluster, \
-            RouterInThread(cluster.router_config("bidirectional", decoder_ttl_s=TTL_S,
-                                                 state=f"sqlite:{tmp_path}/s.db",
-                                                 **LEASE)) as router:
+    with _leased(tmp_path) as (cluster, router):
         cluster.decode[0].delay_s = 1.0  # the turn is still on the decode when the end comes
         turn = threading.Thread(target=_turn, args=(router.url, "hello " * 8, "conv-H"))
         turn.start()

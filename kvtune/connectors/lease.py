@@ -121,6 +121,11 @@ def _fail(error: str, detail: str) -> LeaseReply:
     return LeaseReply(False, error=error, detail=detail)
 
 
+def _unknown(request_id: str) -> LeaseReply:
+    return _fail("unknown_request", f"no blocks held for {request_id!r} (read back, freed, or "
+                 "never retained)")
+
+
 @dataclass(slots=True)
 class _Held:
     expiry: float
@@ -199,8 +204,7 @@ class LeaseBook:
             h = self._held.get(request_id)
             now = self._clock()
             if h is None:
-                return _fail("unknown_request", f"no blocks held for {request_id!r} (read back, "
-                             "freed, or never retained)")
+                return _unknown(request_id)
             if h.released:
                 return _fail("released", f"{request_id!r} was released; not renewed")
             if h.expiry - now < self.guard_s:
@@ -220,8 +224,7 @@ class LeaseBook:
             h = self._held.get(request_id)
             now = self._clock()
             if h is None:
-                return _fail("unknown_request", f"no blocks held for {request_id!r} (read back, "
-                             "freed, or never retained)")
+                return _unknown(request_id)
             if not h.released:
                 h.released = True
                 h.expiry = now
