@@ -102,7 +102,8 @@ def log_spaced(lo: int, hi: int, n: int) -> tuple[int, ...]:
 FLEET_CONVERSATIONS: Final = 32
 """Conversations of the fleet regime's traffic, in ``kvtune tune`` and per verification start.
 Why not 16 (until 2026-12-05): a configuration's p50 over one start's 64 requests carried a
-sampling error of about 6.5% (the paired change's bootstrap within one start of examples/fleet),
+sampling error of about 6.5% (the paired change's bootstrap within one start of examples/fleet as
+recorded then),
 which left the verification's smallest detectable effect at 8-13% after three starts and a mode's
 prediction from tune's one 64-request segment up to 12% off its measurement; 128 requests a
 start cost about 7 s more per start."""
