@@ -688,11 +688,7 @@ class Router:
         client_ctx = client_span_context(request.headers)
         if client_ctx is not None:
             links.append(Link(client_ctx))
-        span = start_request_span(self.tracer, {
-            spans.MODE: self.config.mode.value, spans.BASE_REQUEST_ID: call.request_id,
-            spans.REQUEST_ID: call.request_id, spans.CLIENT_REQUEST_ID: call.client_request_id,
-            spans.ROLE: spans.Role.ROUTER.value, spans.CONVERSATION_ID: call.conversation_id,
-            spans.STREAM: call.stream}, links)
+        span = start_request_span(self.tracer, links)
         try:
             begin_phases(span)
             call.traceparent = traceparent_of(span)
@@ -729,10 +725,12 @@ class Router:
         return response
 
     def _finish_span(self, span: trace.Span, call: _Call) -> None:
-        """``kv.request``'s attributes known only at the end (those known at its start were set
-        by :func:`start_request_span`), its events and status."""
+        """``kv.request``'s attributes, events and status (once the reply is sent)."""
         set_attributes(span, {
-            spans.TURN: call.turn,
+            spans.MODE: self.config.mode.value, spans.BASE_REQUEST_ID: call.request_id,
+            spans.REQUEST_ID: call.request_id, spans.CLIENT_REQUEST_ID: call.client_request_id,
+            spans.ROLE: spans.Role.ROUTER.value, spans.STREAM: call.stream,
+            spans.CONVERSATION_ID: call.conversation_id, spans.TURN: call.turn,
             spans.PREFILL_INSTANCE: call.prefill_url and redact_url(call.prefill_url),
             spans.DECODE_INSTANCE: call.decode_url and redact_url(call.decode_url),
             spans.PROMPT_TOKENS: call.prompt_tokens, spans.OUTPUT_TOKENS: call.output_tokens,
