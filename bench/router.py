@@ -186,7 +186,10 @@ def measure(mode: str, state: str, state_spec: str, requests: int, workdir: str,
         # back to asyncio).
         python = os.path.join(workdir, "python-cprofile.sh")
         with open(python, "w") as fh:
-            fh.write(f'#!/bin/sh\nexec {sys.executable} -m cProfile -o {cprofile} "$@"\n')
+            # The router is started as ``python -P -m kvtune.router ...``; cProfile takes no -P,
+            # so the interpreter gets it instead.
+            fh.write(f'#!/bin/sh\n[ "$1" = -P ] && shift\n'
+                     f'exec {sys.executable} -P -m cProfile -o {cprofile} "$@"\n')
         os.chmod(python, 0o755)
         os.makedirs(os.path.join(workdir, "no-uvloop", "uvloop"), exist_ok=True)
         with open(os.path.join(workdir, "no-uvloop", "uvloop", "__init__.py"), "w") as fh:

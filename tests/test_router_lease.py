@@ -12,6 +12,7 @@ from collections.abc import Iterator
 
 import pytest
 
+from kvtune import spans as sc
 from kvtune import vllm_pd as pd
 from kvtune.errors import ConfigError
 from kvtune.router import RouterInThread
@@ -29,12 +30,13 @@ LEASE = {"lease_s": TTL_S, "lease_renew_every_s": 0.5, "lease_idle_s": 60.0}
 
 
 @contextlib.contextmanager
-def _leased(tmp_path, lease: dict = LEASE) -> Iterator[tuple[StandInVllmCluster, RouterInThread]]:
+def _leased(tmp_path, lease: dict = LEASE, tracer: object = None
+            ) -> Iterator[tuple[StandInVllmCluster, RouterInThread]]:
     """A stand-in 1P1D bidirectional cluster whose decode runs the lease, and a router leasing."""
     with StandInVllmCluster(1, 1, bidirectional=True, decoder_ttl_s=TTL_S, lease=True) as cluster, \
             RouterInThread(cluster.router_config("bidirectional", decoder_ttl_s=TTL_S,
                                                  state=f"sqlite:{tmp_path}/s.db",
-                                                 **lease)) as router:
+                                                 **lease), tracer=tracer) as router:
         yield cluster, router
 
 
@@ -83,14 +85,18 @@ def test_end_endpoint_forgets_then_releases_and_the_next_turn_recomputes(tmp_pat
     assert health["releases_total"] == 1 and health["held"] == 1  # the new turn's blocks
 
 
-def test_end_header_releases_the_turns_blocks_instead_of_keeping_them(tmp_path) -> None:
-    with _leased(tmp_path) as (cluster, router):
+def test_end_header_releases_the_turns_blocks_instead_of_keeping_them(tmp_path, tracer,
+                                                                     exporter) -> None:
+    with _leased(tmp_path, tracer=tracer) as (cluster, router):
         history, _ = _turn(router.url, "hello " * 8, "conv-C", **{END_HEADER: "1"})
         book = cluster.decode[0].lease_book
         ((rid, _first),) = book.held().items()
         assert book.release(rid).expiry <= book.now()  # already released by the router
         _turn(router.url, history + " more", "conv-C")
     assert pd.REMOTE_BLOCK_IDS not in _prefill_params(cluster)[-1]
+    ends = [s.attributes.get(sc.CONVERSATION_END) for s in exporter.get_finished_spans()
+            if s.name == sc.SpanName.REQUEST.value]
+    assert ends == [True, None]  # the analysis reads the conversation's end from kv.request
 
 
 def test_leases_past_the_idle_time_lapse_and_are_not_offered(tmp_path) -> None:

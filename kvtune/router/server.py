@@ -77,9 +77,8 @@ from typing import Any, TypeVar, cast
 
 import aiohttp
 from aiohttp import web
-from opentelemetry import context as otel_context
 from opentelemetry import trace
-from opentelemetry.trace import Link, SpanKind, Status, StatusCode
+from opentelemetry.trace import Link, Status, StatusCode
 
 from kvtune import spans, vllm_pd
 from kvtune.redact import redact_text, redact_url
@@ -94,9 +93,9 @@ from kvtune.router.state import (SQLITE_ON_LOOP_BUSY_TIMEOUT_S, ConversationStor
                                  SqliteConversationStore, TurnStart, open_store)
 from kvtune.router.upstream import AnswerTooLarge, UpstreamClient, UpstreamProtocolError
 from kvtune.router.tracing import (TRACEPARENT_HEADER, TRACER_NAME, begin_phases,
-                                   client_span_context, client_trace_config, current_traceparent,
-                                   end_phases, leg_ended, leg_started,
-                                   set_attributes)
+                                   client_span_context, client_trace_config, end_phases,
+                                   leg_ended, leg_started, set_attributes, start_request_span,
+                                   traceparent_of)
 
 _logger = logging.getLogger(__name__)
 _T = TypeVar("_T")
@@ -202,6 +201,8 @@ class _Call:
     """When the streamed decode leg was sent, and its ``kv_transfer_params``."""
     ends: bool = False
     """The client said this turn is the conversation's last (:mod:`kvtune.router.lease`)."""
+    traceparent: str | None = None
+    """``kv.request``'s W3C traceparent (None when tracing is off), sent with every leg."""
     keeps_stored: bool = False
     """The stored params were refused to this turn and left stored for the history they encode:
     this turn must not replace them with its own."""
@@ -235,6 +236,17 @@ def _upstream_error_response(exc: UpstreamError, call: _Call) -> web.Response:
                             content_type=(exc.content_type or "application/json").split(";")[0])
     return _error_json(status, str(exc), kind="upstream_error", leg=exc.leg, instance=exc.instance,
                        headers=headers)
+
+
+async def _send_now(request: web.Request, response: web.StreamResponse) -> None:
+    """Send ``response`` (status, headers, body) now, from the handler; aiohttp's own send once
+    the handler returns then finds it sent. A client gone meanwhile is left for that send to
+    find (aiohttp counts it as a premature disconnect, as for any response)."""
+    try:
+        await response.prepare(request)
+        await response.write_eof()
+    except ConnectionError:
+        pass
 
 
 class _SseWatcher:
@@ -647,7 +659,10 @@ class Router:
                                f"router's max_body_bytes ({limit})", kind="request_too_large",
                                headers=ids)
         try:
-            raw = await asyncio.wait_for(request.read(), BODY_READ_TIMEOUT_S)
+            if request.content.is_eof():  # the whole body is here (most requests): no
+                raw = await request.read()  # wait, so no task and timer to bound it
+            else:
+                raw = await asyncio.wait_for(request.read(), BODY_READ_TIMEOUT_S)
         except web.HTTPRequestEntityTooLarge:
             return _error_json(413, f"request body is over the router's max_body_bytes ({limit})",
                                kind="request_too_large", headers=ids)
@@ -681,11 +696,10 @@ class Router:
         client_ctx = client_span_context(request.headers)
         if client_ctx is not None:
             links.append(Link(client_ctx))
-        # kv.request is the root of the request's trace: an empty parent context on purpose.
-        with self.tracer.start_as_current_span(
-                spans.SpanName.REQUEST.value, context=otel_context.Context(), kind=SpanKind.SERVER,
-                links=links, record_exception=False, set_status_on_exception=False) as span:
+        span = start_request_span(self.tracer, links)
+        try:
             begin_phases(span)
+            call.traceparent = traceparent_of(span)
             try:
                 response = await self._route(request, body, call)
             except asyncio.CancelledError:
@@ -709,23 +723,28 @@ class Router:
                               type(exc).__name__, detail)
                 response = _error_json(500, f"router error: {type(exc).__name__}: {detail}",
                                        kind="router_error", headers=call.response_headers())
-            finally:
-                self._finish_span(span, call)
-                end_phases(self.tracer, span)
+            # The reply goes out before the telemetry below (kv.request's last attributes and
+            # its phase spans, ~0.1 ms of CPU): the client does not wait for it.
+            await _send_now(request, response)
+        finally:
+            self._finish_span(span, call)
+            end_phases(self.tracer, span)
+            span.end()
         return response
 
     def _finish_span(self, span: trace.Span, call: _Call) -> None:
+        """``kv.request``'s attributes, events and status (once the reply is sent)."""
         set_attributes(span, {
             spans.MODE: self.config.mode.value, spans.BASE_REQUEST_ID: call.request_id,
             spans.REQUEST_ID: call.request_id, spans.CLIENT_REQUEST_ID: call.client_request_id,
-            spans.ROLE: spans.Role.ROUTER.value,
+            spans.ROLE: spans.Role.ROUTER.value, spans.STREAM: call.stream,
             spans.CONVERSATION_ID: call.conversation_id, spans.TURN: call.turn,
             spans.PREFILL_INSTANCE: call.prefill_url and redact_url(call.prefill_url),
             spans.DECODE_INSTANCE: call.decode_url and redact_url(call.decode_url),
             spans.PROMPT_TOKENS: call.prompt_tokens, spans.OUTPUT_TOKENS: call.output_tokens,
-            spans.TTFT_MS: call.ttft_ms, spans.STREAM: call.stream,
-            spans.HTTP_STATUS: call.http_status, spans.REUSE_REMOTE_TOKENS: call.remote_tokens,
-            spans.ERROR_TYPE: call.error_type})
+            spans.TTFT_MS: call.ttft_ms, spans.HTTP_STATUS: call.http_status,
+            spans.REUSE_REMOTE_TOKENS: call.remote_tokens, spans.ERROR_TYPE: call.error_type,
+            spans.CONVERSATION_END: True if call.ends else None})
         try:
             if span.is_recording():
                 for name, attributes in call.events:
@@ -766,7 +785,7 @@ class Router:
                 self._state_failed(call, "begin_turn", exc)
             else:
                 call.turn = start.turn
-        traceparent = current_traceparent()
+        traceparent = call.traceparent
         if traceparent is None and self.trusted_client \
                 and client_span_context(request.headers) is not None:
             traceparent = request.headers[TRACEPARENT_HEADER]
@@ -810,17 +829,23 @@ class Router:
 
     async def _post_json(self, leg: str, inst: InstanceConfig, path: str, body: Mapping[str, Any],
                          headers: Mapping[str, str], total_s: float) -> dict[str, Any]:
+        return (await self._post_json_raw(leg, inst, path, body, headers, total_s))[0]
+
+    async def _post_json_raw(self, leg: str, inst: InstanceConfig, path: str,
+                             body: Mapping[str, Any], headers: Mapping[str, str],
+                             total_s: float) -> tuple[dict[str, Any], bytes]:
+        """The leg's JSON answer, parsed and as the upstream sent it (decompressed)."""
         t0 = time.perf_counter()
         leg_started(leg)
         try:
-            parsed = await self._post_json_once(leg, inst, path, body, headers, total_s)
+            parsed, raw = await self._post_json_once(leg, inst, path, body, headers, total_s)
         except UpstreamError as exc:
             self._observe(leg, inst, headers, t0, body, None, None, exc.reason)
             raise
         returned = parsed.get(vllm_pd.KV_TRANSFER_PARAMS)
         self._observe(leg, inst, headers, t0, body, parsed,
                       returned if isinstance(returned, dict) else None)
-        return parsed
+        return parsed, raw
 
     def _observe(self, leg: str, inst: InstanceConfig, headers: Mapping[str, str], t0: float,
                  body: Mapping[str, Any] | None, answer: dict[str, Any] | None,
@@ -841,7 +866,7 @@ class Router:
 
     async def _post_json_once(self, leg: str, inst: InstanceConfig, path: str,
                               body: Mapping[str, Any], headers: Mapping[str, str],
-                              total_s: float) -> dict[str, Any]:
+                              total_s: float) -> tuple[dict[str, Any], bytes]:
         assert self._upstream is not None
         try:
             async with asyncio.timeout(total_s):
@@ -866,7 +891,7 @@ class Router:
             raise UpstreamError(leg, inst.url, "answer is not JSON") from None
         if not isinstance(parsed, dict):
             raise UpstreamError(leg, inst.url, "answer is not a JSON object")
-        return parsed
+        return parsed, data
 
     async def _open_stream(self, leg: str, inst: InstanceConfig, path: str,
                            body: Mapping[str, Any], headers: Mapping[str, str],
@@ -1045,8 +1070,8 @@ class Router:
                                                       on_done=turn_done,
                                                       collect_reply=self._binds(call))
                     return out
-                d_resp = await self._post_json("decode", d_inst, call.endpoint, d_body, headers,
-                                               cfg.decode_timeout_s)
+                d_resp, d_raw = await self._post_json_raw("decode", d_inst, call.endpoint, d_body,
+                                                          headers, cfg.decode_timeout_s)
             except UpstreamError:
                 self.decode.mark_failure(d_idx)
                 raise
@@ -1056,7 +1081,9 @@ class Router:
         if self._binds(call):
             await self._remember(call, d_resp.get(vllm_pd.KV_TRANSFER_PARAMS), d_inst, body,
                                  binding.Reply.from_answer(d_resp))
-        return web.json_response(d_resp, headers=call.response_headers())
+        # The decode's answer as it sent it: no second JSON encoding on the way out.
+        return web.Response(body=d_raw, content_type="application/json", charset="utf-8",
+                            headers=call.response_headers())
 
     def _refuse_reuse(self, call: _Call, reason: spans.ReuseRefusal, detail: str,
                       tokens: int | None) -> None:
