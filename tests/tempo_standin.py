@@ -83,6 +83,10 @@ class StandInState:
     match_before_s: int = 0
     """Also answer traces that started up to this many seconds before a search's start (a trace
     still running when the window opens, as Tempo matches a trace whose spans overlap it)."""
+    arrival_delay_s: int = 0
+    """Answer a trace only to a window that also reaches this many seconds past its start (as
+    Tempo 2.10.8 and 3.0.3 did for traces that reached them minutes after they started: a window
+    must overlap the time the trace arrived)."""
     metrics_status: int = 200
     metrics_jobs: tuple[int, int] | None = None
     """(completed, total) jobs in every metrics answer (default: the recorded ones)."""
@@ -113,7 +117,7 @@ class StandInState:
         hits = []
         for t in self.rec.search_range.get("traces", []):
             t_s = (int(t["startTimeUnixNano"]) + self.shift_ns) / 1e9
-            if start - self.match_before_s <= t_s < end:
+            if start - self.match_before_s <= t_s < end and end > t_s + self.arrival_delay_s:
                 # as the moved recording: its start time moved with it
                 hits.append({**t, "startTimeUnixNano": str(int(t["startTimeUnixNano"])
                                                            + self.shift_ns)})
