@@ -3,7 +3,9 @@
 ``tests/fixtures/traces/tempo_real/`` holds what a real Tempo (version in ``recording.json``)
 answered for kvtune spans sent to it over OTLP/HTTP (``tests/test_traces_tempo_real.py`` records
 them with ``KVTUNE_TEMPO_RECORD=DIR``): a search with a time range, the same search without one,
-each trace (``/api/v2/traces/<id>``), TraceQL metrics ``query_range`` answers and the server's
+each trace (``/api/v2/traces/<id>``), TraceQL metrics ``query_range`` answers (the panels'), instant
+``/api/metrics/query`` answers (``metrics_instant.json``: the fleet totals' queries over the
+recorded range, recorded later from the same Tempo version, spans and settings) and the server's
 ``400`` answers to a too-long range and a too-high limit.
 
 The stand-in answers as that Tempo did: a search without ``start``/``end`` gets the recorded
@@ -39,6 +41,7 @@ class Recording:
     traces: dict[str, bytes]
     metrics: dict[str, Any]
     errors: dict[str, str]
+    metrics_instant: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
     def load(cls, root: Path = RECORDED) -> Recording:
@@ -48,7 +51,8 @@ class Recording:
                    search_range=json.loads((root / "search_range.json").read_text()),
                    search_norange=json.loads((root / "search_norange.json").read_text()),
                    traces=traces, metrics=json.loads((root / "metrics.json").read_text()),
-                   errors=json.loads((root / "errors.json").read_text()))
+                   errors=json.loads((root / "errors.json").read_text()),
+                   metrics_instant=json.loads((root / "metrics_instant.json").read_text()))
 
     def trace_ids(self) -> list[str]:
         return [t["traceID"] for t in self.search_range.get("traces", [])]
@@ -79,9 +83,16 @@ class StandInState:
     match_before_s: int = 0
     """Also answer traces that started up to this many seconds before a search's start (a trace
     still running when the window opens, as Tempo matches a trace whose spans overlap it)."""
+    arrival_delay_s: int = 0
+    """Answer a trace only to a window that also reaches this many seconds past its start (as
+    Tempo 2.10.8 and 3.0.3 did for traces that reached them minutes after they started: a window
+    must overlap the time the trace arrived)."""
     metrics_status: int = 200
     metrics_jobs: tuple[int, int] | None = None
     """(completed, total) jobs in every metrics answer (default: the recorded ones)."""
+    metrics_partial_message: str | None = None
+    """Answer every metrics query as Tempo answers one over its series limit: ``"status":
+    "PARTIAL"`` and this message."""
 
     def search(self, q: dict[str, list[str]]) -> tuple[int, bytes]:
         if self.search_override is not None:
@@ -106,7 +117,7 @@ class StandInState:
         hits = []
         for t in self.rec.search_range.get("traces", []):
             t_s = (int(t["startTimeUnixNano"]) + self.shift_ns) / 1e9
-            if start - self.match_before_s <= t_s < end:
+            if start - self.match_before_s <= t_s < end and end > t_s + self.arrival_delay_s:
                 # as the moved recording: its start time moved with it
                 hits.append({**t, "startTimeUnixNano": str(int(t["startTimeUnixNano"])
                                                            + self.shift_ns)})
@@ -140,10 +151,14 @@ class _Handler(BaseHTTPRequestHandler):
                 body = json.dumps({**json.loads(body), "status": "PARTIAL",
                                    "message": st.partial_trace_message}).encode()
             return self._send(st.trace_status, body)
-        if parts.path == "/api/metrics/query_range" and q.get("q", [""])[0] in st.rec.metrics:
+        recorded = {"/api/metrics/query_range": st.rec.metrics,
+                    "/api/metrics/query": st.rec.metrics_instant}.get(parts.path, {})
+        if q.get("q", [""])[0] in recorded:
             if st.metrics_status != 200:
                 return self._send(st.metrics_status, b"metrics unavailable (stand-in)")
-            answer = dict(st.rec.metrics[q["q"][0]])
+            answer = dict(recorded[q["q"][0]])
+            if st.metrics_partial_message is not None:
+                answer.update(status="PARTIAL", message=st.metrics_partial_message)
             if st.metrics_jobs is not None:
                 answer["metrics"] = {"completedJobs": st.metrics_jobs[0],
                                      "totalJobs": st.metrics_jobs[1]}

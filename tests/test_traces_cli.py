@@ -79,5 +79,5 @@ def test_cli_fleet_against_the_stand_in_fetches_no_trace(capsys) -> None:
 
     with serve() as (host, state):
         assert cli.main(["traces", "fleet", f"tempo+http://{host}?since=1h"]) == 0
-    assert {p for p, _ in state.requests} == {"/api/metrics/query_range"}
+    assert {p for p, _ in state.requests} == {"/api/metrics/query"}
     assert "reuse decisions" in capsys.readouterr().out

@@ -52,7 +52,7 @@ def _one_sided(rec: Recording) -> Recording:
             traces_[tid] = json.dumps(doc).encode()
             break
     return Recording(rec.meta, rec.search_range, rec.search_norange, traces_, rec.metrics,
-                     rec.errors)
+                     rec.errors, rec.metrics_instant)
 
 
 # (case, stand-in settings, URL parameters, finding code, words its message must hold)
@@ -66,13 +66,17 @@ CASES = [
      ["HTTP 206", "/api/v2/traces/"]),
     ("trace over its size", {"partial_trace_message": "Trace exceeds maximum size"}, "",
      "tempo_partial_answers", ["Trace exceeds maximum size", "/api/v2/traces/"]),
-    ("page failed", {"fail_search_from_s": "LAST_PAGE"}, "skip_failed=1&page=30m",
+    ("page failed", {"fail_search_from_s": "LAST_PAGE"}, "skip_failed=1&page=30m&lookahead=0",
      "tempo_windows_failed", ["1 of 2 page(s)", "HTTP 503", "LAST_PAGE_ISO"]),
     ("one-sided transfers", {"one_sided": True}, "", "tempo_partial_traces", ["one side only"]),
     ("metrics jobs incomplete", {"metrics_jobs": (1, 2)}, "metrics=1",
      "tempo_fleet_metrics_partial", ["completed 1 of 2 metrics jobs", "reuse"]),
     ("metrics unavailable", {"metrics_status": 404}, "metrics=1", "tempo_fleet_metrics_partial",
      ["HTTP 404"]),
+    ("metrics over Tempo's series limit",
+     {"metrics_partial_message": "Response exceeds maximum series limit of 2, a partial response "
+                                 "is returned."}, "metrics=1", "tempo_fleet_metrics_partial",
+     ["answered PARTIAL", "maximum series limit of 2"]),
 ]
 
 
@@ -144,11 +148,11 @@ def test_fleet_metrics_are_tempos_counts_of_the_spans(rec):
     with serve(rec) as (host, state):
         df = traces.load(f"tempo+http://{host}?{Q}&metrics=1", correct_clocks=False)
         (read,) = df.attrs["tempo_reads"]
-        asked = [q for p, q in state.requests if p == "/api/metrics/query_range"]
+        asked = [q for p, q in state.requests if p == "/api/metrics/query"]
     fleet = read.fleet
     assert fleet is not None and fleet.complete and fleet.requests == 3 == len(asked)
     assert {q["q"][0] for q in asked} == set(fleet_queries().values())
-    assert all(int(q["end"][0]) - int(q["start"][0]) <= 3 * 3600 for q in asked)
+    assert all(int(q["end"][0]) - int(q["start"][0]) < 3 * 3600 * 10**9 for q in asked)
     reuse = df[df["name"] == sc.SpanName.REUSE_DECISION.value]
     assert fleet.reuse_outcomes == reuse[sc.REUSE_OUTCOME].value_counts().to_dict()
     retention = df[df["name"] == sc.SpanName.RETENTION.value]
@@ -163,10 +167,30 @@ def test_a_day_of_metrics_is_asked_in_pieces_tempo_accepts(rec):
     with serve(rec) as (host, state):
         src = traces.TempoSource(f"http://{host}")
         fleet = fleet_metrics(src, 1_000_000, 1_000_000 + 86400)
-        asked = [q for p, q in state.requests if p == "/api/metrics/query_range"]
+        asked = [q for p, q in state.requests if p == "/api/metrics/query"]
     assert fleet.requests == len(asked) == 3 * 8
-    spans_ = sorted((int(q["start"][0]), int(q["end"][0])) for q in asked)
-    assert spans_[0][0] == 1_000_000 and spans_[-1][1] == 1_000_000 + 86400
+    # instant queries in nanoseconds, both ends included: the pieces neither overlap nor leave
+    # a gap (a query_range's samples reach up to two steps before its start: Tempo aligns it)
+    for q in fleet_queries().values():
+        spans_ = sorted((int(a["start"][0]), int(a["end"][0])) for a in asked if a["q"][0] == q)
+        assert spans_[0][0] == 1_000_000 * 10**9 and spans_[-1][1] == (1_000_000 + 86400) * 10**9 - 1
+        assert all(b[0] == a[1] + 1 for a, b in zip(spans_, spans_[1:]))
+
+
+def test_metrics_short_of_the_traces_read_are_a_warning():
+    """Tempo's metrics counting fewer reuse decisions than the traces read hold (as Tempo 3.0.3
+    did for the spans of replayed long traces, with no sign in its answer): a warning. (The loader
+    compares the spans of a read that start in its range; the stand-in does not move the times
+    inside the recorded traces, so the real-Tempo test checks that wiring.)"""
+    from kvtune.traces.tempo_metrics import FleetMetrics, short_of_read
+
+    fleet = FleetMetrics(0, 3600, {"none": 14, "pull": 16}, {}, {}, requests=3)
+    assert short_of_read(fleet, {"none": 14, "pull": 15}) is fleet
+    short = short_of_read(fleet, {"none": 16, "pull": 16, "new": 1})
+    assert not short.complete
+    (warning,) = [f for f in short.findings() if f["severity"] == "warning"]
+    assert warning["code"] == "tempo_fleet_metrics_partial"
+    assert "new: 1 read, 0 counted, none: 16 read, 14 counted" in warning["message"]
 
 
 def test_metrics_that_cannot_be_read_are_a_warning_not_a_failed_read(rec, monkeypatch):
@@ -178,7 +202,7 @@ def test_metrics_that_cannot_be_read_are_a_warning_not_a_failed_read(rec, monkey
     real_get = TempoSource._get
 
     def failing(self, path, params=None, **kw):
-        if path == "/api/metrics/query_range":
+        if path == "/api/metrics/query":
             raise TraceSourceError(f"{self.base_url}{path}: no complete answer within 30 s")
         return real_get(self, path, params, **kw)
 

@@ -36,6 +36,7 @@ from kvtune.dashboards import generator as gen
 from kvtune.dashboards.evaluate import evaluate
 from kvtune.dashboards.templating import interpolate
 from kvtune.dashboards.traceql import parse
+from kvtune.traces.tempo_metrics import fleet_metrics, fleet_queries
 from _net import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -60,8 +61,12 @@ def binary_version(binary: str) -> str:
     out = subprocess.run([binary, "--version"], capture_output=True, text=True, timeout=60)
     for line in (out.stdout + out.stderr).splitlines():
         if line.startswith("tempo, version "):
-            return line.split()[2]
-    raise AssertionError(f"{binary} --version: no version in {out.stdout!r} {out.stderr!r}")
+            version = line.split()[2]
+            if version[:1].isdigit():
+                return version
+    raise AssertionError(f"{binary} --version: no version number in {out.stdout[-300:]!r} "
+                         f"{out.stderr[-300:]!r}; build it as Tempo's Makefile does, with "
+                         f"-ldflags '-X main.Version=X.Y.Z'")
 
 
 def tempo_config(root: Path, *, major: int = 2, fast_flush: bool = False
@@ -238,6 +243,20 @@ def wait_searchable(tempo: RealTempo, expected: set[str], start: int, end: int) 
                          f"{INGEST_TIMEOUT_S} s: {tempo.tail()}")
 
 
+def wait_counted(tempo: RealTempo, expected: int, start: int, end: int) -> None:
+    """Until Tempo's metrics count ``expected`` spans in the range (Tempo 3's live-store counts
+    spans seconds after search finds them), at most INGEST_TIMEOUT_S; the tests then say what
+    is missing."""
+    deadline = time.monotonic() + INGEST_TIMEOUT_S
+    while time.monotonic() < deadline:
+        status, body = tempo.get("/api/metrics/query", {"q": "{} | count_over_time()",
+                                                        "start": start, "end": end})
+        if status == 200 and sum(float(s.get("value", 0))
+                                 for s in json.loads(body).get("series", [])) >= expected:
+            return
+        time.sleep(2)
+
+
 def panel_queries() -> list[tuple[str, str]]:
     """(panel title, query with the variables' default values) for every TraceQL panel."""
     out = []
@@ -303,7 +322,7 @@ def real_tempo(request, tmp_path_factory) -> Iterator[tuple[RealTempo, list[dict
             for d in moved:
                 tempo.post_otlp(d)
         wait_searchable(tempo, trace_ids(moved), now - 3600, int(time.time()) + 60)
-        time.sleep(3)  # the metrics generator's local blocks
+        wait_counted(tempo, span_count(moved), now - 3600, int(time.time()) + 60)
         files = write_jsonl(moved, root / "spans.jsonl")
         yield tempo, moved, files
     finally:
@@ -351,10 +370,73 @@ def test_a_paged_read_with_a_cursor_and_the_fleet_metrics(real_tempo, tmp_path):
         b = df[key].astype(str).sort_values(key).reset_index(drop=True)
         assert a.equals(b), a.compare(b).head()
     (read,) = paged.attrs["tempo_reads"]
-    assert read.pages == 60 and read.fleet is not None and read.fleet.complete, read.findings()
+    assert read.pages == 60 and read.fleet is not None, read.findings()
     reuse = paged[paged["name"] == sc.SpanName.REUSE_DECISION.value]
-    assert read.fleet.reuse_outcomes == reuse[sc.REUSE_OUTCOME].value_counts().to_dict()
+    held = reuse[sc.REUSE_OUTCOME].value_counts().to_dict()
+    # Tempo 3.0.3 leaves spans of the replayed long traces out of its metrics (tempo_metrics'
+    # doc); the read must then say so, never silently
+    if read.fleet.reuse_outcomes != held:
+        warned = {f["code"]: f["message"] for f in read.findings() if f["severity"] == "warning"}
+        assert "more reuse decisions than Tempo's metrics counted" in warned.get(
+            "tempo_fleet_metrics_partial", ""), (read.fleet.reuse_outcomes, held)
+    else:
+        assert read.fleet.complete, read.findings()
     assert again.attrs["tempo_reads"][0].pages_resumed == 60
+    # a range cut through the spans: the totals are of the spans that start in it, no more
+    reuse_ns = sorted(int(sp["startTimeUnixNano"]) for d in docs for sp in _spans_of(d)
+                      if sp["name"] == sc.SpanName.REUSE_DECISION.value)
+    cut = reuse_ns[len(reuse_ns) // 2] // 10**9
+    src = traces.TempoSource(f"http://{host}")
+    halves = [fleet_metrics(src, lo, hi) for lo, hi in ((start, cut), (cut, end))]
+    for (lo, hi), half in zip(((start, cut), (cut, end)), halves):
+        truth = sum(1 for t in reuse_ns if lo * 10**9 <= t < hi * 10**9)
+        got = sum(half.reuse_outcomes.values())
+        # Tempo may miss a long trace's spans in a range that ends before the trace arrived
+        # (kvtune.traces.tempo_metrics); it must never count spans outside the range
+        assert half.complete and got <= truth, (lo, hi, got, truth)
+    assert sum(sum(h.reuse_outcomes.values()) for h in halves) >= len(reuse_ns) - 3
+
+
+def test_a_failed_page_resumes_from_the_cursor_or_is_skipped_with_a_warning(real_tempo, tmp_path,
+                                                                            monkeypatch):
+    """A Tempo error part way through a paged read (the 40th trace fetch fails once): with a
+    cursor the read stops naming it, and the same source resumes to the one-shot read's spans;
+    with ``skip_failed=1`` the page is left out and the read report warns, naming it."""
+    from kvtune.errors import TraceSourceError
+    from kvtune.traces.tempo import TempoSource
+
+    tempo, docs, files = real_tempo
+    host = f"127.0.0.1:{tempo.ports['http']}"
+    newest = max(int(sp["endTimeUnixNano"]) for d in docs for sp in _spans_of(d)) // 10**9
+    start, end = (newest // 60 - 59) * 60, (newest // 60 + 1) * 60
+    base = f"tempo+http://{host}?q=%7B%7D&start={start}&end={end}&page=1m"
+    key = ["trace_id", "span_id", "name", "start_ns", "end_ns"]
+    one_shot = traces.load(base.replace("&page=1m", ""), correct_clocks=False)
+    real_fetch = TempoSource.fetch_answer
+    calls = {"n": 0}
+
+    def fails_once(self, trace_id):
+        calls["n"] += 1
+        if calls["n"] == 40:
+            raise TraceSourceError(f"{self.base_url}/api/v2/traces/{trace_id}: HTTP 503 (test)")
+        return real_fetch(self, trace_id)
+
+    monkeypatch.setattr(TempoSource, "fetch_answer", fails_once)
+    cur = tmp_path / "c.json"
+    with pytest.raises(TraceSourceError, match="kept by the cursor"):
+        traces.load(f"{base}&cursor={cur}", correct_clocks=False)
+    resumed = traces.load(f"{base}&cursor={cur}", correct_clocks=False)
+    (read,) = resumed.attrs["tempo_reads"]
+    assert 0 < read.pages_resumed < 60 and not read.partial, read.findings()
+    a = one_shot[key].astype(str).sort_values(key).reset_index(drop=True)
+    b = resumed[key].astype(str).sort_values(key).reset_index(drop=True)
+    assert a.equals(b)
+    calls["n"] = 0
+    skipped = traces.load(f"{base}&skip_failed=1", correct_clocks=False)
+    (read,) = skipped.attrs["tempo_reads"]
+    warned = {f["code"]: f["message"] for f in read.findings() if f["severity"] == "warning"}
+    assert len(read.failed_windows) == 1 and "HTTP 503 (test)" in warned["tempo_windows_failed"]
+    assert 0 < len(skipped) < len(one_shot)
 
 
 def test_every_panel_query_returns_rows_and_the_evaluator_agrees(real_tempo):
@@ -423,6 +505,13 @@ def _record(tempo: RealTempo, docs: list[dict], out: Path, metrics: dict[str, di
     with gzip.open(out / "traces.json.gz", "wt", encoding="utf-8") as f:
         json.dump(bodies, f)
     (out / "metrics.json").write_text(json.dumps(metrics, indent=1) + "\n")
+    instant = {}
+    for q in fleet_queries().values():
+        status, body = tempo.get("/api/metrics/query", {"q": q, "start": start * 10**9,
+                                                        "end": end * 10**9 - 1})
+        assert status == 200, body[:500]
+        instant[q] = json.loads(body)
+    (out / "metrics_instant.json").write_text(json.dumps(instant, indent=1) + "\n")
     (out / "errors.json").write_text(json.dumps(errors, indent=1) + "\n")
     (out / "recording.json").write_text(json.dumps({
         "tempo_version": tempo.version(), "spans": span_count(docs), "traces": len(trace_ids(docs)),

@@ -451,9 +451,11 @@ class _Reader:
                              windows=windows, cut_short=tuple(cut), traces_found=found)
         fleet = None
         if src.fleet_metrics:
-            from kvtune.traces.tempo_metrics import fleet_metrics
+            from kvtune.traces.tempo_metrics import fleet_metrics, short_of_read
 
             fleet = fleet_metrics(src, start, end)
+            if not flushed:  # the read's rows are all here: compare what Tempo counted
+                fleet = short_of_read(fleet, _reuse_outcomes(self.rows, first_row, start, end))
         read = TempoRead(search, traces_fetched=fetched,
                          spans_read=flushed + len(self.rows) - (0 if flushed else first_row),
                          one_sided_transfers=one_sided_transfers(self.rows, 0 if flushed
@@ -521,6 +523,20 @@ def _read_all(stream: IO[bytes], path: Path, gz: bool) -> tuple[bytes, BaseExcep
             raise TraceSourceError(f"{path}: cannot read: {exc}") from exc
         return b"".join(chunks), exc
     return b"".join(chunks), None
+
+
+def _reuse_outcomes(rows: SpanRows, first_row: int, start_s: int, end_s: int) -> dict[str, int]:
+    """``kv.reuse_decision`` spans per ``kv.reuse.outcome`` among ``rows`` (from ``first_row``)
+    that start in ``start_s .. end_s``."""
+    from kvtune import spans as sc
+
+    idx, values = rows.conv.get(sc.REUSE_OUTCOME, ((), []))
+    out: dict[str, int] = {}
+    for row, outcome in zip(idx, values):
+        if (row >= first_row and rows.name[row] == sc.SpanName.REUSE_DECISION.value
+                and start_s * 10**9 <= rows.start[row] < end_s * 10**9):
+            out[str(outcome)] = out.get(str(outcome), 0) + 1
+    return out
 
 
 def _one_line(body: bytes) -> bytes:

@@ -1,26 +1,41 @@
 """Aggregates over a whole Tempo range from Tempo's TraceQL metrics, without fetching traces.
 
-``GET /api/metrics/query_range?q=<TraceQL metrics query>&start=&end=&step=`` answers
-``{"series": [{"labels": [{"key": .., "value": {"stringValue": ..}}], "samples":
-[{"timestampMs": .., "value": ..}]}], "metrics": {"completedJobs": .., "totalJobs": ..}}`` (a sample
-without ``value`` is 0: protobuf JSON leaves zeros out). The queries are the dashboards' own
-(``kvtune.dashboards.generator``, with the variables at their "All" values), so what this reads is
-what the dashboards' panels show, summed over the range: how many reuse decisions each outcome had,
-how retained blocks ended, and how many bytes ``kv.rdma`` moved per mode and direction. Counted by
-Tempo over every span in the range, these stay whole when the traces read are a sample or the
-search was cut short.
+``GET /api/metrics/query?q=<TraceQL metrics query>&start=<ns>&end=<ns>`` (an *instant* query)
+answers ``{"series": [{"labels": [{"key": .., "value": {"stringValue": ..}}], "value": ..}],
+"metrics": {"completedJobs": .., "totalJobs": ..}}`` (a series without ``value`` is 0: protobuf
+JSON leaves zeros out). The queries are the dashboards' own (``kvtune.dashboards.generator``, with
+the variables at their "All" values), so what this reads is what the dashboards' panels show,
+summed over the range: how many reuse decisions each outcome had, how retained blocks ended, and
+how many bytes ``kv.rdma`` moved per mode and direction. Counted by Tempo over every span in the
+range, these stay whole when the traces read are a sample or the search was cut short.
+
+Instant, not ``query_range``: Tempo aligns a range query to its step (start rounded down to a step
+and one more step added before it, end rounded up), so the sum of its samples counts spans from
+up to two steps before the range and one after, and pieces of a long range overlap. Measured on
+Tempo 2.10.8, a range ending a minute before the newest spans counted 32 reuse decisions where 14
+started in it; the instant query counted 14. An instant query counts the spans that start in
+``[start, end]`` (nanoseconds, both ends included): a piece ``lo .. hi`` is asked as
+``lo * 1e9 .. hi * 1e9 - 1``, so pieces neither overlap nor leave a gap.
 
 Each request has the Tempo source's deadline and a size cap; ranges longer than
-:data:`METRICS_WINDOW_S` (Tempo's default ``query_frontend.metrics.max_duration``) are asked in
-pieces and summed. A piece Tempo answers in part (fewer jobs completed than started, or HTTP 206)
-or not at all (metrics not enabled: the ``local-blocks`` processor) is said in a warning.
+:data:`METRICS_WINDOW_S` (Tempo 2.x's default ``query_frontend.metrics.max_duration``; 3.x's is
+24 h) are asked in pieces and summed. A piece Tempo answers in part (fewer jobs completed than
+started, ``"status": "PARTIAL"`` such as its series limit, or HTTP 206) or not at all (metrics not
+enabled: the ``local-blocks`` processor on 2.x) is said in a warning.
+
+What Tempo cannot say: its metrics read only blocks whose time range overlaps the query, and
+Tempo dates a trace that arrived more than ``ingestion_time_range_slack`` (2 min) after it started
+by its arrival, so spans of a long trace (or one replayed late) can be missing from a piece that
+ends before the trace arrived (measured: 3 of 32 reuse decisions, in the three traces longer than
+70 s of a replayed run, on both 2.10.8 and 3.0.3, for ranges ending before the replay). And on 3.x
+the live-store counts spans a few seconds after search finds them.
 """
 from __future__ import annotations
 
 import json
 import math
 import urllib.parse
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from kvtune.errors import TraceSourceError
@@ -29,11 +44,10 @@ from kvtune.traces.tempo import HTTP_PARTIAL, TempoSource, _as_int, _iso, first_
 METRICS_WINDOW_S = 3 * 3600
 """Longest range asked in one metrics request: Tempo's default
 ``query_frontend.metrics.max_duration`` (3 h)."""
-POINTS_PER_WINDOW = 60
-"""Samples asked per piece (``step`` = piece / this, at least one second): the sums do not
-depend on it, only the answer's size does."""
 MAX_METRICS_BODY_BYTES = 16 * 2**20
 """Largest metrics answer read (16 MiB)."""
+INSTANT_PATH = "/api/metrics/query"
+NS = 10**9
 
 
 @dataclass(frozen=True)
@@ -63,8 +77,9 @@ class MetricsAnswer:
         return out
 
 
-def query_range(source: TempoSource, query: str, start_s: int, end_s: int) -> MetricsAnswer:
-    """The totals of a TraceQL metrics ``query`` over ``start_s .. end_s`` (see the module doc).
+def query_total(source: TempoSource, query: str, start_s: int, end_s: int) -> MetricsAnswer:
+    """The totals of a TraceQL metrics ``query`` over the spans that start in ``start_s ..
+    end_s`` (end excluded), one instant query per :data:`METRICS_WINDOW_S` (see the module doc).
 
     A piece the server refuses, fails, answers past the deadline or with something that is not a
     metrics answer is recorded in ``missing`` (naming the URL), and the next piece is asked."""
@@ -73,13 +88,11 @@ def query_range(source: TempoSource, query: str, start_s: int, end_s: int) -> Me
     requests = 0
     for lo in range(start_s, end_s, METRICS_WINDOW_S):
         hi = min(lo + METRICS_WINDOW_S, end_s)
-        step = max(1, math.ceil((hi - lo) / POINTS_PER_WINDOW))
-        params = {"q": query, "start": lo, "end": hi, "step": f"{step}s"}
-        url = f"{source.base_url}/api/metrics/query_range?{urllib.parse.urlencode(params)}"
+        params = {"q": query, "start": lo * NS, "end": hi * NS - 1}
+        url = f"{source.base_url}{INSTANT_PATH}?{urllib.parse.urlencode(params)}"
         requests += 1
         try:
-            status, body = source._get("/api/metrics/query_range", params,
-                                       max_bytes=MAX_METRICS_BODY_BYTES)
+            status, body = source._get(INSTANT_PATH, params, max_bytes=MAX_METRICS_BODY_BYTES)
             if status not in (200, HTTP_PARTIAL):
                 missing.append(f"{_iso(lo)} .. {_iso(hi)}: HTTP {status}: "
                                f"{body[:200].decode('utf-8', 'replace').strip()}")
@@ -91,7 +104,7 @@ def query_range(source: TempoSource, query: str, start_s: int, end_s: int) -> Me
         if status == HTTP_PARTIAL:
             note = "; ".join(x for x in (note, "HTTP 206 (partial content)") if x)
         if note:
-            missing.append(f"{_iso(lo)} .. {_iso(hi)}: {note}")
+            missing.append(f"{_iso(lo)} .. {_iso(hi)}: {note}"[:500])
         for labels, total in series:
             totals[labels] = totals.get(labels, 0.0) + total
     return MetricsAnswer(query, tuple(SeriesTotal(k, v) for k, v in sorted(totals.items())),
@@ -99,8 +112,8 @@ def query_range(source: TempoSource, query: str, start_s: int, end_s: int) -> Me
 
 
 def _answer(body: bytes, url: str) -> tuple[list[tuple[tuple[tuple[str, str], ...], float]], str]:
-    """(labels, sum of samples) per series, and a note when Tempo completed fewer jobs than it
-    started."""
+    """(labels, value) per series of an instant answer, and a note when Tempo says the answer is
+    partial (fewer jobs completed than started, or ``"status": "PARTIAL"`` with its message)."""
     try:
         doc = json.loads(body)
     except (ValueError, RecursionError) as exc:
@@ -119,24 +132,24 @@ def _answer(body: bytes, url: str) -> tuple[list[tuple[tuple[tuple[str, str], ..
             val = kv.get("value")
             text = str(next(iter(val.values()))) if isinstance(val, dict) and val else "nil"
             labels.append((kv["key"], text))
-        total = 0.0
-        for sample in s.get("samples") or []:
-            v = sample.get("value", 0) if isinstance(sample, dict) else None
-            try:
-                x = float(v)
-            except (TypeError, ValueError):
-                raise TraceSourceError(f"{url}: series[{i}].samples: expected numbers, got "
-                                       f"{sample!r}"[:500]) from None
-            if math.isfinite(x):
-                total += x
-        out.append((tuple(sorted(labels)), total))
-    note = ""
+        if "samples" in s:
+            raise TraceSourceError(f"{url}: series[{i}]: a range answer (\"samples\") where an "
+                                   f"instant answer (\"value\") was expected")
+        try:
+            x = float(s.get("value", 0))
+        except (TypeError, ValueError):
+            raise TraceSourceError(f"{url}: series[{i}].value: expected a number, got "
+                                   f"{s.get('value')!r}"[:500]) from None
+        out.append((tuple(sorted(labels)), x if math.isfinite(x) else 0.0))
+    notes = []
     metrics = doc.get("metrics")
     if isinstance(metrics, dict):
         done, total_jobs = _as_int(metrics.get("completedJobs")), _as_int(metrics.get("totalJobs"))
         if done is not None and total_jobs is not None and done < total_jobs:
-            note = f"Tempo completed {done} of {total_jobs} metrics jobs"
-    return out, note
+            notes.append(f"Tempo completed {done} of {total_jobs} metrics jobs")
+    if doc.get("status") in ("PARTIAL", 1):
+        notes.append(f"Tempo answered PARTIAL: {str(doc.get('message') or '(no message)')[:300]}")
+    return out, "; ".join(notes)
 
 
 @dataclass(frozen=True)
@@ -184,6 +197,21 @@ class FleetMetrics:
                 "missing": list(self.missing)}
 
 
+def short_of_read(fleet: FleetMetrics, read_outcomes: dict[str, int]) -> FleetMetrics:
+    """``fleet`` with a note in ``missing`` when the traces a read fetched hold more reuse
+    decisions of an outcome (``read_outcomes``, of the spans that start in the range) than Tempo's
+    metrics counted: Tempo's metrics left spans out (a long or late trace; the module doc) and
+    no answer of Tempo's said so."""
+    short = {k: (n, fleet.reuse_outcomes.get(k, 0)) for k, n in sorted(read_outcomes.items())
+             if n > fleet.reuse_outcomes.get(k, 0)}
+    if not short:
+        return fleet
+    note = ("reuse: the traces read hold more reuse decisions than Tempo's metrics counted ("
+            + ", ".join(f"{k}: {n} read, {m} counted" for k, (n, m) in short.items())
+            + "): Tempo's metrics left out spans of traces it dated by their arrival")
+    return replace(fleet, missing=(*fleet.missing, note))
+
+
 def fleet_queries() -> dict[str, str]:
     """The dashboards' queries this reads, by what they count, as Tempo receives them."""
     from kvtune.dashboards import generator as gen
@@ -199,11 +227,12 @@ def fleet_queries() -> dict[str, str]:
 
 
 def fleet_metrics(source: TempoSource, start_s: int, end_s: int) -> FleetMetrics:
-    """Reuse outcomes, retention outcomes and ``kv.rdma`` bytes over ``start_s .. end_s`` from
-    Tempo's metrics API (one request per :data:`METRICS_WINDOW_S` per query)."""
+    """Reuse outcomes, retention outcomes and ``kv.rdma`` bytes of the spans that start in
+    ``start_s .. end_s`` from Tempo's metrics API (one request per :data:`METRICS_WINDOW_S` per
+    query)."""
     from kvtune import spans as sc
 
-    answers = {k: query_range(source, q, start_s, end_s) for k, q in fleet_queries().items()}
+    answers = {k: query_total(source, q, start_s, end_s) for k, q in fleet_queries().items()}
     rdma: dict[str, int] = {}
     for s in answers["rdma_bytes"].series:
         labels = dict(s.labels)
