@@ -137,8 +137,9 @@ class _WorkerHooks:
         """Per retained request under the renewable lease: the scheduler's last note."""
         self._kvt_hs_trigger: dict[str, tuple[Any, dict[str, Any], spans.Role]] = {}
         self._kvt_cur_req: str | None = None
-        self._kvt_holds: dict[str, _Hold] = {}
-        """Pull prefill: finished requests whose blocks wait for the decode's READ."""
+        self._kvt_holds: BoundedDict = BoundedDict()
+        """Pull prefill: finished requests whose blocks wait for the decode's READ (``_Hold``;
+        bounded, like the other per-request state, should vLLM drop one by a path not hooked)."""
         if not hasattr(self, "_kvt_lease_s"):
             self._kvt_lease_s = float(DEFAULT_KV_LEASE_DURATION_S)
         self.nixl_wrapper = ObservedNixlAgent(self.nixl_wrapper, self._kvt_xfers)
