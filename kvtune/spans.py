@@ -201,6 +201,9 @@ held (each extends the lease)."""
 PREFILL_LEASE_MARGIN_S: Final = "kv.prefill_lease.margin_s"
 """On the prefill's forward ``kv.notify`` (pull): seconds left before the (renewed) expiry when the
 hold ended; at or below 0 for an expired lease."""
+PREFILL_LEASE_HEARTBEATS_SENT: Final = "kv.prefill_lease.heartbeats_sent"
+"""On the decode's forward READ (``kv.descriptor_setup``, ``kv.rdma``; pull): heartbeats it sent
+naming the prefill's request while waiting to read it (absent: none sent)."""
 PREFILL_LEASE_OUTCOME: Final = "kv.prefill_lease.outcome"
 """On the prefill's forward ``kv.notify`` (pull): one of :class:`PrefillLeaseOutcome`."""
 CONVERSATION_END: Final = "kv.conversation.end"
@@ -348,6 +351,7 @@ ATTRIBUTE_TYPES: Final[dict[str, type]] = {
     RETENTION_OUTCOME: str, RETENTION_RENEWALS: int, RETENTION_LEASE_S: float,
     CONVERSATION_END: bool, PREFILL_LEASE_S: float, PREFILL_LEASE_HELD_S: float,
     PREFILL_LEASE_RENEWALS: int, PREFILL_LEASE_MARGIN_S: float, PREFILL_LEASE_OUTCOME: str,
+    PREFILL_LEASE_HEARTBEATS_SENT: int,
     PROBE_ITERATION: int, PROBE_WARMUP: bool, PROBE_LAYOUT: str,
     ERROR_TYPE: str, HTTP_CONNECTION_REUSED: bool, HTTP_REQUEST_BYTES: int,
     HTTP_RESPONSE_BYTES: int,

@@ -315,8 +315,10 @@ PROBE_SPANS = Path(__file__).resolve().parent.parent / "examples" / "verify-shap
 TIMED_COLUMNS = {"trace_id", "span_id", "parent_span_id", "start_ns", "end_ns", "duration_ms",
                  spans.NIXL_POST_US, spans.NIXL_XFER_US, spans.REQUEST_ID, spans.BASE_REQUEST_ID,
                  spans.TRANSFER_ID, spans.ENGINE_ID, spans.REMOTE_ENGINE_ID,
-                 spans.NOTIFY_SENT_NS, spans.TTFT_MS, "resource", "host", "status_message",
-                 "attrs"}
+                 spans.NOTIFY_SENT_NS, spans.TTFT_MS, spans.PREFILL_LEASE_HELD_S,
+                 spans.PREFILL_LEASE_MARGIN_S, spans.PREFILL_LEASE_RENEWALS,
+                 spans.PREFILL_LEASE_HEARTBEATS_SENT, "resource", "host",
+                 "status_message", "attrs"}
 """Columns that differ between two runs of one workload: times, ids (the workload's request ids
 are random), the engines' names; every other column must be equal."""
 

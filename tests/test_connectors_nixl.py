@@ -377,6 +377,40 @@ def test_prefill_lease_hold_carries_renewals_and_how_it_ended(
     assert w._kvt_holds == {}
 
 
+def test_decode_counts_the_heartbeats_it_sent_on_its_read(
+        peers: tuple[Peer, Peer, Any, Any], worker_factory: Callable[..., Any],
+        exporter: InMemorySpanExporter) -> None:
+    """vLLM's _send_heartbeats sends to engines it has handshaken with and skips the others; the
+    decode's forward READ context then carries how many named the prefill's request."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import (
+        HeartbeatInfo,
+        NixlConnectorMetadata,
+    )
+
+    init, target, _, _ = peers
+    w = worker_factory(init.agent, spans.Role.DECODE, spans.Mode.PULL)
+    w._remote_agents = {"eng-p": {0: target.name}}
+    w._hb_handshake_notif_only = False
+    w._engine_last_active = {}
+    w._ensure_handshake = lambda engine_id, *a: None if engine_id == "eng-p" else object()
+    waiting, other = "cmpl-wait-0-44444444", "cmpl-far-0-55555555"
+    for _ in range(3):
+        meta = NixlConnectorMetadata()
+        meta.heartbeat_by_engine = {
+            "eng-p": HeartbeatInfo(req_ids={waiting}, host="127.0.0.1", port=1, tp_size=1),
+            "eng-q": HeartbeatInfo(req_ids={other}, host="127.0.0.1", port=2, tp_size=1)}
+        w._send_heartbeats(meta)                  # vLLM's own: eng-q's handshake is pending
+    got: list[bytes] = []
+    _wait_for(lambda: got.extend(m for ms in target.agent.get_new_notifs().values() for m in ms)
+              or len(got) >= 3, "the heartbeats at the prefill")
+    assert got == [f"HB:{waiting}".encode()] * 3
+
+    ctx = w._kvt_xfer_context(spans.NixlOp.READ, None, "eng-p", "local-1", waiting)
+    assert ctx.attrs[spans.PREFILL_LEASE_HEARTBEATS_SENT] == 3
+    far = w._kvt_xfer_context(spans.NixlOp.READ, None, "eng-q", "local-2", other)
+    assert far.attrs[spans.PREFILL_LEASE_HEARTBEATS_SENT] is None  # never sent: left out
+
+
 def test_turn2_expiry_check_decides_pull_or_expired_only_on_the_prefill(
         worker_factory: Callable[..., Any], exporter: InMemorySpanExporter,
         peers: tuple[Peer, Peer, Any, Any]) -> None:

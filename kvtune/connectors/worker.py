@@ -137,6 +137,8 @@ class _WorkerHooks:
         """Per retained request under the renewable lease: the scheduler's last note."""
         self._kvt_hs_trigger: dict[str, tuple[Any, dict[str, Any], spans.Role]] = {}
         self._kvt_cur_req: str | None = None
+        self._kvt_hb_sent: BoundedDict = BoundedDict()
+        """Pull decode: heartbeats sent per prefill request id (the remote id it will read)."""
         self._kvt_holds: BoundedDict = BoundedDict()
         """Pull prefill: finished requests whose blocks wait for the decode's READ (``_Hold``;
         bounded, like the other per-request state, should vLLM drop one by a path not hooked)."""
@@ -180,6 +182,13 @@ class _WorkerHooks:
         for rid in reqs_to_send:
             if rid not in self._kvt_holds and rid not in self._kvt_retained and rid in held:
                 self._kvt_holds[rid] = _Hold(t, held[rid])
+
+    def _kvt_on_heartbeats_sent(self, by_engine: dict[str, Any]) -> None:
+        """Pull decode: vLLM sent a heartbeat to each engine it has a NIXL agent of."""
+        for engine_id, hb in by_engine.items():
+            if engine_id in self._remote_agents:  # else vLLM skipped it: handshake pending
+                for rid in hb.req_ids:
+                    self._kvt_hb_sent[rid] = self._kvt_hb_sent.get(rid, 0) + 1
 
     def _kvt_on_heartbeat(self, payload: str) -> None:
         held = self._reqs_to_send
@@ -247,6 +256,8 @@ class _WorkerHooks:
         attrs = {**transfer_attrs(base, direction, request_id), **request_attrs(info),
                  spans.NIXL_OP: op.value, spans.REMOTE_ENGINE_ID: str(dst_engine_id),
                  spans.BLOCKS: count_blocks(block_ids), spans.TOKENS: tokens}
+        if self._kvt_hb_sent and role is _DEC and direction is _D.FORWARD:
+            attrs[spans.PREFILL_LEASE_HEARTBEATS_SENT] = self._kvt_hb_sent.get(remote_request_id)
         return XferContext(sc, attrs, t, role)
 
     def _kvt_on_notified(self, notified: set[str]) -> None:
@@ -336,6 +347,13 @@ class KvtunePullWorker(_WorkerHooks, NixlPullConnectorWorker):
         if metadata.reqs_to_send:
             GUARD.run("worker.prefill_lease", self._kvt_on_sends, metadata.reqs_to_send)
         return result
+
+    @compat.overrides("kv.prefill_lease.heartbeats_sent on kv.rdma")
+    def _send_heartbeats(self, metadata: Any) -> None:
+        super()._send_heartbeats(metadata)
+        if metadata.heartbeat_by_engine:
+            GUARD.run("worker.heartbeats_sent", self._kvt_on_heartbeats_sent,
+                      metadata.heartbeat_by_engine)
 
     @compat.overrides("kv.prefill_lease on kv.notify")
     def _handle_heartbeat(self, payload: str) -> None:
