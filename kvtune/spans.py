@@ -189,6 +189,23 @@ RETENTION_RENEWALS: Final = "kv.retention.renewals"
 RETENTION_LEASE_S: Final = "kv.retention.lease_s"
 """On ``kv.retention`` (renewable decode lease on): the length of the last renewal granted,
 seconds (absent: never renewed; the first hold is ``kv.retention.ttl_s``)."""
+PREFILL_LEASE_S: Final = "kv.prefill_lease.duration_s"
+"""On the prefill's forward ``kv.notify`` (pull): vLLM's ``kv_lease_duration`` in force, seconds
+(the first hold; each decode heartbeat extends the expiry to at least now + 2/3 of it)."""
+PREFILL_LEASE_HELD_S: Final = "kv.prefill_lease.held_s"
+"""On the prefill's forward ``kv.notify`` (pull): seconds the finished request's blocks were held
+for the decode's READ (the worker took the lease -> read notified, expired or released)."""
+PREFILL_LEASE_RENEWALS: Final = "kv.prefill_lease.renewals"
+"""On the prefill's forward ``kv.notify`` (pull): decode heartbeats that named the request while
+held (each extends the lease)."""
+PREFILL_LEASE_MARGIN_S: Final = "kv.prefill_lease.margin_s"
+"""On the prefill's forward ``kv.notify`` (pull): seconds left before the (renewed) expiry when the
+hold ended; at or below 0 for an expired lease."""
+PREFILL_LEASE_HEARTBEATS_SENT: Final = "kv.prefill_lease.heartbeats_sent"
+"""On the decode's forward READ (``kv.descriptor_setup``, ``kv.rdma``; pull): heartbeats it sent
+naming the prefill's request while waiting to read it (absent: none sent)."""
+PREFILL_LEASE_OUTCOME: Final = "kv.prefill_lease.outcome"
+"""On the prefill's forward ``kv.notify`` (pull): one of :class:`PrefillLeaseOutcome`."""
 CONVERSATION_END: Final = "kv.conversation.end"
 """On ``kv.request`` (router): True when the client said this turn is its conversation's last
 (``X-Kvtune-Conversation-End``); the analysis also reads an end from ``kv.retention`` spans whose
@@ -302,6 +319,18 @@ class RetentionOutcome(str, Enum):
     """Renewable lease: the lease ran out unrenewed (the router stopped renewing, or is gone)."""
 
 
+class PrefillLeaseOutcome(str, Enum):
+    """How the prefill's hold of a finished request's blocks ended (vLLM's ``kv_lease_duration``)."""
+
+    READ = "read"
+    """The decode's READ completion notification arrived (or its free-without-read)."""
+    EXPIRED = "expired"
+    """The lease ran out first: vLLM freed the blocks (the ``kv.notify`` has ``error.type``
+    ``kv_lease_expired``)."""
+    RELEASED = "released"
+    """Still held when the worker shut down."""
+
+
 class Layout(str, Enum):
     PER_BLOCK = "per_block"
     """One descriptor per layer per block (K and V separately), as vLLM registers them."""
@@ -320,7 +349,9 @@ ATTRIBUTE_TYPES: Final[dict[str, type]] = {
     DECODE_INSTANCE: str, STREAM: bool, HTTP_STATUS: int, REUSE_OUTCOME: str,
     REUSE_REMOTE_TOKENS: int, REUSE_THRESHOLD_TOKENS: int, RETENTION_TTL_S: float,
     RETENTION_OUTCOME: str, RETENTION_RENEWALS: int, RETENTION_LEASE_S: float,
-    CONVERSATION_END: bool,
+    CONVERSATION_END: bool, PREFILL_LEASE_S: float, PREFILL_LEASE_HELD_S: float,
+    PREFILL_LEASE_RENEWALS: int, PREFILL_LEASE_MARGIN_S: float, PREFILL_LEASE_OUTCOME: str,
+    PREFILL_LEASE_HEARTBEATS_SENT: int,
     PROBE_ITERATION: int, PROBE_WARMUP: bool, PROBE_LAYOUT: str,
     ERROR_TYPE: str, HTTP_CONNECTION_REUSED: bool, HTTP_REQUEST_BYTES: int,
     HTTP_RESPONSE_BYTES: int,

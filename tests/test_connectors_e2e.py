@@ -208,6 +208,13 @@ def test_pull_moves_kv_matches_single_instance_and_traces_every_phase(
     assert prefill[spans.CACHED_TOKENS] + prefill[spans.COMPUTED_TOKENS] == len(PROMPT)
     assert set(by[S.PREFILL.value]["service"]) == {spans.service_name(spans.Role.PREFILL)}
     assert set(by[S.NOTIFY.value][spans.ROLE]) == {spans.Role.PREFILL.value}
+    # The prefill held the blocks under vLLM's default kv_lease_duration until the READ's notice.
+    (hold,) = by[S.NOTIFY.value].to_dict("records")
+    assert hold[spans.PREFILL_LEASE_OUTCOME] == spans.PrefillLeaseOutcome.READ.value
+    assert hold[spans.PREFILL_LEASE_S] == 30.0
+    held, left = hold[spans.PREFILL_LEASE_HELD_S], hold[spans.PREFILL_LEASE_MARGIN_S]
+    assert held > 0 and left > 0  # read before the expiry, which each heartbeat moves <= 20 s on
+    assert held + left <= 30.0 + 20.0 * hold[spans.PREFILL_LEASE_RENEWALS] + 0.5
     rdma = by[S.RDMA.value]
     assert set(rdma[spans.NIXL_OP]) == {spans.NixlOp.READ.value}
     assert (rdma[spans.BYTES] > 0).all() and (rdma[spans.NIXL_XFER_US] >= 0).all()
@@ -308,8 +315,10 @@ PROBE_SPANS = Path(__file__).resolve().parent.parent / "examples" / "verify-shap
 TIMED_COLUMNS = {"trace_id", "span_id", "parent_span_id", "start_ns", "end_ns", "duration_ms",
                  spans.NIXL_POST_US, spans.NIXL_XFER_US, spans.REQUEST_ID, spans.BASE_REQUEST_ID,
                  spans.TRANSFER_ID, spans.ENGINE_ID, spans.REMOTE_ENGINE_ID,
-                 spans.NOTIFY_SENT_NS, spans.TTFT_MS, "resource", "host", "status_message",
-                 "attrs"}
+                 spans.NOTIFY_SENT_NS, spans.TTFT_MS, spans.PREFILL_LEASE_HELD_S,
+                 spans.PREFILL_LEASE_MARGIN_S, spans.PREFILL_LEASE_RENEWALS,
+                 spans.PREFILL_LEASE_HEARTBEATS_SENT, "resource", "host",
+                 "status_message", "attrs"}
 """Columns that differ between two runs of one workload: times, ids (the workload's request ids
 are random), the engines' names; every other column must be equal."""
 

@@ -318,6 +318,99 @@ def test_prefill_lease_expiry_is_a_failed_notify(
     assert span.attributes[spans.ERROR_TYPE] == LEASE_EXPIRED and not span.status.is_ok
 
 
+def test_prefill_lease_hold_carries_renewals_and_how_it_ended(
+        peers: tuple[Peer, Peer, Any, Any], worker_factory: Callable[..., Any],
+        exporter: InMemorySpanExporter) -> None:
+    """vLLM's start_load_kv takes three finished requests' leases; a heartbeat renews one twice;
+    one is read, one expires, one is still held at shutdown: each kv.notify says which."""
+    import queue
+
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import NixlConnectorMetadata
+
+    from kvtune.connectors.worker import LEASE_EXPIRED, LEASE_RELEASED
+
+    init, target, _, _ = peers
+    w = worker_factory(target.agent, spans.Role.PREFILL, spans.Mode.PULL)
+    w._kvt_lease_s = 30.0
+    w.pcp_rank, w.pcp_dcp_sharded = 0, False
+    w._ready_requests = queue.Queue()
+    w._recving_metadata = {}
+    read, lost, kept = "cmpl-rd-0-11111111", "cmpl-ex-0-22222222", "cmpl-sd-0-33333333"
+    meta = NixlConnectorMetadata()
+    now = time.perf_counter()
+    meta.reqs_in_batch = {read, lost, kept}
+    meta.reqs_to_send = {read: now + 30.0, lost: now + 0.05, kept: now + 30.0}
+    w.start_load_kv(meta)                         # vLLM's own: the leases start
+    assert set(w._reqs_to_send) == {read, lost, kept}
+
+    w._lease_extension = 40                       # each heartbeat: expiry >= now + 40 s
+    for _ in range(2):                            # the decode's heartbeats name `read`
+        before = w._reqs_to_send[read]
+        init.agent.send_notif(target.name, f"HB:{read}".encode())
+        _wait_for(lambda: w._get_new_notifs() == set() and w._reqs_to_send[read] > before,
+                  "heartbeat to extend the lease")
+
+    init.agent.send_notif(target.name, f"{read}:1".encode())
+    notified: set[str] = set()
+    _wait_for(lambda: notified.update(w._get_new_notifs()) or read in notified, "read notified")
+    while time.perf_counter() <= now + 0.05:     # `lost`'s lease runs out unrenewed
+        time.sleep(0.01)
+    done: set[str] = set()
+    w._reap_expired_send_leases(done)             # vLLM's own reaping
+    assert done == {lost}
+    w._kvt_on_shutdown()
+
+    got = {s.attributes[spans.REQUEST_ID]: s for s in _by_name(exporter)[spans.SpanName.NOTIFY.value]}
+    assert set(got) == {read, lost, kept}
+    r, e, k = got[read].attributes, got[lost].attributes, got[kept].attributes
+    assert r[spans.PREFILL_LEASE_OUTCOME] == spans.PrefillLeaseOutcome.READ.value
+    assert r[spans.PREFILL_LEASE_RENEWALS] == 2 and r[spans.PREFILL_LEASE_S] == 30.0
+    assert 30.0 < r[spans.PREFILL_LEASE_MARGIN_S] <= 40.0  # the renewed expiry, not the first
+    assert spans.ERROR_TYPE not in r
+    assert e[spans.PREFILL_LEASE_OUTCOME] == spans.PrefillLeaseOutcome.EXPIRED.value
+    assert e[spans.PREFILL_LEASE_RENEWALS] == 0 and e[spans.PREFILL_LEASE_MARGIN_S] <= 0
+    assert e[spans.ERROR_TYPE] == LEASE_EXPIRED
+    assert k[spans.PREFILL_LEASE_OUTCOME] == spans.PrefillLeaseOutcome.RELEASED.value
+    assert k[spans.ERROR_TYPE] == LEASE_RELEASED
+    assert r[spans.PREFILL_LEASE_HELD_S] <= e[spans.PREFILL_LEASE_HELD_S] \
+        <= k[spans.PREFILL_LEASE_HELD_S]
+    assert w._kvt_holds == {}
+
+
+def test_decode_counts_the_heartbeats_it_sent_on_its_read(
+        peers: tuple[Peer, Peer, Any, Any], worker_factory: Callable[..., Any],
+        exporter: InMemorySpanExporter) -> None:
+    """vLLM's _send_heartbeats sends to engines it has handshaken with and skips the others; the
+    decode's forward READ context then carries how many named the prefill's request."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import (
+        HeartbeatInfo,
+        NixlConnectorMetadata,
+    )
+
+    init, target, _, _ = peers
+    w = worker_factory(init.agent, spans.Role.DECODE, spans.Mode.PULL)
+    w._remote_agents = {"eng-p": {0: target.name}}
+    w._hb_handshake_notif_only = False
+    w._engine_last_active = {}
+    w._ensure_handshake = lambda engine_id, *a: None if engine_id == "eng-p" else object()
+    waiting, other = "cmpl-wait-0-44444444", "cmpl-far-0-55555555"
+    for _ in range(3):
+        meta = NixlConnectorMetadata()
+        meta.heartbeat_by_engine = {
+            "eng-p": HeartbeatInfo(req_ids={waiting}, host="127.0.0.1", port=1, tp_size=1),
+            "eng-q": HeartbeatInfo(req_ids={other}, host="127.0.0.1", port=2, tp_size=1)}
+        w._send_heartbeats(meta)                  # vLLM's own: eng-q's handshake is pending
+    got: list[bytes] = []
+    _wait_for(lambda: got.extend(m for ms in target.agent.get_new_notifs().values() for m in ms)
+              or len(got) >= 3, "the heartbeats at the prefill")
+    assert got == [f"HB:{waiting}".encode()] * 3
+
+    ctx = w._kvt_xfer_context(spans.NixlOp.READ, None, "eng-p", "local-1", waiting)
+    assert ctx.attrs[spans.PREFILL_LEASE_HEARTBEATS_SENT] == 3
+    far = w._kvt_xfer_context(spans.NixlOp.READ, None, "eng-q", "local-2", other)
+    assert far.attrs[spans.PREFILL_LEASE_HEARTBEATS_SENT] is None  # never sent: left out
+
+
 def test_turn2_expiry_check_decides_pull_or_expired_only_on_the_prefill(
         worker_factory: Callable[..., Any], exporter: InMemorySpanExporter,
         peers: tuple[Peer, Peer, Any, Any]) -> None:

@@ -20,10 +20,17 @@ first. ``released``: still retained at shutdown. With the renewable decode lease
 held request adds ``kv.retention.renewals`` and ``kv.retention.lease_s``, and a freed lease is
 ``ended`` (the router released it) or ``lapsed`` (its deadline passed unrenewed) instead of
 ``expired``.
+
+The prefill's lease (pull, vLLM's ``kv_lease_duration``): from the step the worker takes a finished
+request's blocks into its send map to the decode's notification, the lease expiry or shutdown, the
+worker keeps three plain values (start, expiry, heartbeat renewals); the prefill's forward
+``kv.notify`` then carries ``kv.prefill_lease.*`` (:class:`~kvtune.spans.PrefillLeaseOutcome`), and
+a hold still open at shutdown gets a ``kv.notify`` with ``error.type`` ``kv_lease_released``.
 """
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 import msgspec
@@ -54,7 +61,13 @@ from kvtune.connectors.observer import (
     request_attrs,
     transfer_attrs,
 )
-from kvtune.vllm_pd import BIDIRECTIONAL_KV_XFER, REMOTE_ENGINE_ID, engine_role
+from kvtune.vllm_pd import (
+    BIDIRECTIONAL_KV_XFER,
+    DEFAULT_KV_LEASE_DURATION_S,
+    KV_LEASE_DURATION,
+    REMOTE_ENGINE_ID,
+    engine_role,
+)
 
 _D = spans.Direction
 _S = spans.SpanName
@@ -63,6 +76,28 @@ _DEC = spans.Role.DECODE
 _log = logging.getLogger(__name__)
 LEASE_EXPIRED = "kv_lease_expired"
 """``error.type`` of a ``kv.notify`` that never came: the producer's lease on the blocks ran out."""
+LEASE_RELEASED = "kv_lease_released"
+"""``error.type`` of a ``kv.notify`` that never came: the prefill shut down holding the blocks."""
+
+
+class _Hold:
+    """A pull prefill's hold of one finished request's blocks (plain values, engine thread)."""
+
+    __slots__ = ("start_ns", "expiry_s", "renewals")
+
+    def __init__(self, start_ns: int, expiry_s: float) -> None:
+        self.start_ns = start_ns
+        self.expiry_s = expiry_s
+        """vLLM's expiry (``time.perf_counter()`` seconds), renewed by heartbeats."""
+        self.renewals = 0
+
+    def attrs(self, lease_s: float, end_ns: int, now_s: float,
+              outcome: spans.PrefillLeaseOutcome) -> dict[str, Any]:
+        return {spans.PREFILL_LEASE_S: lease_s,
+                spans.PREFILL_LEASE_HELD_S: (end_ns - self.start_ns) / 1e9,
+                spans.PREFILL_LEASE_RENEWALS: self.renewals,
+                spans.PREFILL_LEASE_MARGIN_S: self.expiry_s - now_s,
+                spans.PREFILL_LEASE_OUTCOME: outcome.value}
 
 
 class _WorkerHooks:
@@ -86,6 +121,8 @@ class _WorkerHooks:
         backends = getattr(self, "nixl_backends", None) or ["UCX"]
         emitter.common[spans.NIXL_BACKEND] = str(backends[0])
         emitter.common[spans.NIXL_PROGRESS_DELAY_US] = self._kvt_progress_delay
+        self._kvt_lease_s = float(cfg.get_from_extra_config(KV_LEASE_DURATION,
+                                                            DEFAULT_KV_LEASE_DURATION_S))
         self._kvt_init(emitter)
 
     def _kvt_init(self, emitter: Emitter) -> None:
@@ -100,6 +137,13 @@ class _WorkerHooks:
         """Per retained request under the renewable lease: the scheduler's last note."""
         self._kvt_hs_trigger: dict[str, tuple[Any, dict[str, Any], spans.Role]] = {}
         self._kvt_cur_req: str | None = None
+        self._kvt_hb_sent: BoundedDict = BoundedDict()
+        """Pull decode: heartbeats sent per prefill request id (the remote id it will read)."""
+        self._kvt_holds: BoundedDict = BoundedDict()
+        """Pull prefill: finished requests whose blocks wait for the decode's READ (``_Hold``;
+        bounded, like the other per-request state, should vLLM drop one by a path not hooked)."""
+        if not hasattr(self, "_kvt_lease_s"):
+            self._kvt_lease_s = float(DEFAULT_KV_LEASE_DURATION_S)
         self.nixl_wrapper = ObservedNixlAgent(self.nixl_wrapper, self._kvt_xfers)
 
     # --- helpers ----------------------------------------------------------------------------
@@ -119,11 +163,40 @@ class _WorkerHooks:
         return sc, base, info
 
     def _kvt_notify(self, rid: str, direction: spans.Direction, sc: Any, base: str,
-                    info: ReqTrace | None, role: spans.Role, error: str | None = None) -> None:
+                    info: ReqTrace | None, role: spans.Role, error: str | None = None,
+                    lease: spans.PrefillLeaseOutcome | None = None) -> None:
         t = now_ns()
+        hold = self._kvt_holds.pop(rid, None) if lease is not None else None
+        now_s = time.perf_counter() if hold is not None else 0.0
+        lease_s = self._kvt_lease_s
         self._kvt.emit(_S.NOTIFY, sc, t, t, lambda: {
             **transfer_attrs(base, direction, rid), **request_attrs(info),
-            spans.TOKENS: info.tokens if info is not None else None}, error=error, role=role)
+            spans.TOKENS: info.tokens if info is not None else None,
+            **({} if hold is None or lease is None else hold.attrs(lease_s, t, now_s, lease))},
+            error=error, role=role)
+
+    def _kvt_on_sends(self, reqs_to_send: Any) -> None:
+        """Pull prefill: the finished requests whose blocks the worker now holds for a READ."""
+        t = now_ns()
+        held = self._reqs_to_send
+        for rid in reqs_to_send:
+            if rid not in self._kvt_holds and rid not in self._kvt_retained and rid in held:
+                self._kvt_holds[rid] = _Hold(t, held[rid])
+
+    def _kvt_on_heartbeats_sent(self, by_engine: dict[str, Any]) -> None:
+        """Pull decode: vLLM sent a heartbeat to each engine it has a NIXL agent of."""
+        for engine_id, hb in by_engine.items():
+            if engine_id in self._remote_agents:  # else vLLM skipped it: handshake pending
+                for rid in hb.req_ids:
+                    self._kvt_hb_sent[rid] = self._kvt_hb_sent.get(rid, 0) + 1
+
+    def _kvt_on_heartbeat(self, payload: str) -> None:
+        held = self._reqs_to_send
+        for rid in payload.split(","):
+            hold = self._kvt_holds.get(rid)
+            if hold is not None:
+                hold.renewals += 1
+                hold.expiry_s = held.get(rid, hold.expiry_s)
 
     def _kvt_retention_end(self, rid: str, outcome: spans.RetentionOutcome) -> None:
         info = self._kvt_retained.pop(rid, None)
@@ -183,6 +256,8 @@ class _WorkerHooks:
         attrs = {**transfer_attrs(base, direction, request_id), **request_attrs(info),
                  spans.NIXL_OP: op.value, spans.REMOTE_ENGINE_ID: str(dst_engine_id),
                  spans.BLOCKS: count_blocks(block_ids), spans.TOKENS: tokens}
+        if self._kvt_hb_sent and role is _DEC and direction is _D.FORWARD:
+            attrs[spans.PREFILL_LEASE_HEARTBEATS_SENT] = self._kvt_hb_sent.get(remote_request_id)
         return XferContext(sc, attrs, t, role)
 
     def _kvt_on_notified(self, notified: set[str]) -> None:
@@ -193,7 +268,8 @@ class _WorkerHooks:
                 self._kvt_retention_end(rid, spans.RetentionOutcome.REUSED)
             else:
                 sc, base, info = self._kvt_forward_target_sc(rid)
-                self._kvt_notify(rid, _D.FORWARD, sc, base, info, _P)
+                self._kvt_notify(rid, _D.FORWARD, sc, base, info, _P,
+                                 lease=spans.PrefillLeaseOutcome.READ)
                 self._kvt_reqs.pop(rid, None)
 
     def _kvt_on_expired(self, expired: set[str]) -> None:
@@ -202,7 +278,8 @@ class _WorkerHooks:
                 self._kvt_retention_end(rid, spans.RetentionOutcome.EXPIRED)
             else:
                 sc, base, info = self._kvt_forward_target_sc(rid)
-                self._kvt_notify(rid, _D.FORWARD, sc, base, info, _P, error=LEASE_EXPIRED)
+                self._kvt_notify(rid, _D.FORWARD, sc, base, info, _P, error=LEASE_EXPIRED,
+                                 lease=spans.PrefillLeaseOutcome.EXPIRED)
                 self._kvt_reqs.pop(rid, None)
 
     def _kvt_handshake_done(self, engine_id: str, start_ns: int, error: str | None) -> None:
@@ -215,6 +292,10 @@ class _WorkerHooks:
     def _kvt_on_shutdown(self) -> None:
         for rid in list(self._kvt_retained):
             self._kvt_retention_end(rid, spans.RetentionOutcome.RELEASED)
+        for rid in list(self._kvt_holds):
+            sc, base, info = self._kvt_forward_target_sc(rid)
+            self._kvt_notify(rid, _D.FORWARD, sc, base, info, _P, error=LEASE_RELEASED,
+                             lease=spans.PrefillLeaseOutcome.RELEASED)
         self._kvt.flush()
 
     # --- vLLM methods -----------------------------------------------------------------------
@@ -258,11 +339,27 @@ class KvtunePullWorker(_WorkerHooks, NixlPullConnectorWorker):
 
     _KVT_MODE = spans.Mode.PULL
 
-    @compat.overrides("metadata from scheduler")
+    @compat.overrides("metadata from scheduler", "kv.prefill_lease on kv.notify")
     def start_load_kv(self, metadata: Any) -> None:
         if getattr(metadata, "kvtune_reqs", None) or getattr(metadata, "kvtune_leases", None):
             GUARD.run("worker.metadata", self._kvt_on_metadata, metadata)
-        return super().start_load_kv(metadata)
+        result = super().start_load_kv(metadata)
+        if metadata.reqs_to_send:
+            GUARD.run("worker.prefill_lease", self._kvt_on_sends, metadata.reqs_to_send)
+        return result
+
+    @compat.overrides("kv.prefill_lease.heartbeats_sent on kv.rdma")
+    def _send_heartbeats(self, metadata: Any) -> None:
+        super()._send_heartbeats(metadata)
+        if metadata.heartbeat_by_engine:
+            GUARD.run("worker.heartbeats_sent", self._kvt_on_heartbeats_sent,
+                      metadata.heartbeat_by_engine)
+
+    @compat.overrides("kv.prefill_lease on kv.notify")
+    def _handle_heartbeat(self, payload: str) -> None:
+        super()._handle_heartbeat(payload)
+        if self._kvt_holds:
+            GUARD.run("worker.heartbeat", self._kvt_on_heartbeat, payload)
 
     @compat.overrides(_S.HANDSHAKE)
     def _background_nixl_handshake(self, req_id: str, remote_engine_id: str, meta: Any) -> None:

@@ -6,7 +6,8 @@ directory appears complete or not at all):
 - ``prefill.kv-transfer-config.json``, ``decode.kv-transfer-config.json``: the ``--kv-transfer-config``
   values (keys as vLLM 0.32's ``KVTransferConfig`` and NIXL connector read them:
   ``kv_connector_extra_config.kv_recompute_threshold`` / ``decoder_kv_blocks_ttl`` /
-  ``bidirectional_kv_xfer``, see ``vllm/distributed/kv_transfer/kv_connector/v1/nixl/base_scheduler.py``);
+  ``bidirectional_kv_xfer``, and ``kv_lease_duration`` (both roles) when the recommended one
+  differs from vLLM's default 30 s, see ``vllm/distributed/kv_transfer/kv_connector/v1/nixl/base_scheduler.py``);
 - ``prefill.vllm-serve.args``, ``decode.vllm-serve.args``: the arguments of ``vllm serve``, one per
   line, no spaces inside (``mapfile -t A < prefill.vllm-serve.args; vllm serve "${A[@]}"``);
 - ``router.yaml``: the kvtune router's configuration (``kvtune.router.config`` keys);
@@ -86,6 +87,9 @@ def kv_transfer_configs(tuning: Tuning, *, connector: str = "kvtune",
         # vLLM's push connector also uses the TTL as its registration timeout: never write 0 there.
         if bidi or ttl > 0:
             ex[vllm_pd.DECODER_KV_BLOCKS_TTL] = ttl
+        lease = prefill_lease_s(tuning)
+        if lease is not None:  # both: the decode heartbeats every lease // 6 s (base_scheduler)
+            ex[vllm_pd.KV_LEASE_DURATION] = lease
         if role == "decode" and connector == "kvtune" and _lease(tuning) is not None:
             ex[vllm_pd.LEASE_PORT] = 0  # the lease channel on any free loopback port
         ex.update(extra or {})
@@ -94,6 +98,16 @@ def kv_transfer_configs(tuning: Tuning, *, connector: str = "kvtune",
             engine_id=PREFILL_ENGINE_ID if role == "prefill" and mode == sc.Mode.PUSH.value
             else None)
     return out
+
+
+def prefill_lease_s(tuning: Tuning) -> int | None:
+    """The recommended ``kv_lease_duration`` (``tuning.extra``, :mod:`kvtune.recommend.prefill_lease`)
+    when it differs from vLLM's default; else None (nothing to write)."""
+    rec = tuning.extra.get(vllm_pd.KV_LEASE_DURATION)
+    if not isinstance(rec, dict) or rec.get("value") is None:
+        return None
+    value = int(rec["value"])
+    return None if value == vllm_pd.DEFAULT_KV_LEASE_DURATION_S else value
 
 
 def serve_args(model: str, kv_config: dict[str, Any], *, port: int, geometry: Any = None,
@@ -162,6 +176,12 @@ def _report(tuning: Tuning, model: ModelName, files: dict[str, str]) -> str:
         f"| mode | **{m.value}** | {m.range[0]} / {m.range[1]} |",
         f"| kv_recompute_threshold | **{t.value}** {t.unit} | {t.range[0]} .. {t.range[1]} |",
         f"| decoder_kv_blocks_ttl | **{ttl.value}** {ttl.unit} | {ttl.range[0]} .. {ttl.range[1]} |",
+    ]
+    lease = tuning.extra.get(vllm_pd.KV_LEASE_DURATION)
+    if isinstance(lease, dict):
+        lines.append(f"| kv_lease_duration | **{lease['value']}** {lease['unit']} | "
+                     f"{lease['range'][0]} .. {lease['range'][1]} |")
+    lines += [
         "",
     ]
     if fit is not None:
@@ -352,8 +372,14 @@ def write(tuning: Tuning, out_dir: str | os.PathLike[str], *, geometry: Any = No
         "written": {vllm_pd.KV_RECOMPUTE_THRESHOLD: threshold_tokens(tuning),
                     vllm_pd.DECODER_KV_BLOCKS_TTL: int(tuning.ttl.value),
                     "mode": str(tuning.mode.value),
-                    "connector": kv["prefill"][vllm_pd.KV_CONNECTOR]},
-        "recommendations": {r.name: r.as_dict() for r in (tuning.threshold, tuning.ttl, tuning.mode)},
+                    "connector": kv["prefill"][vllm_pd.KV_CONNECTOR],
+                    **({vllm_pd.KV_LEASE_DURATION: prefill_lease_s(tuning)}
+                       if prefill_lease_s(tuning) is not None else {})},
+        "recommendations": {**{r.name: r.as_dict()
+                               for r in (tuning.threshold, tuning.ttl, tuning.mode)},
+                            **({vllm_pd.KV_LEASE_DURATION: tuning.extra[vllm_pd.KV_LEASE_DURATION]}
+                               if isinstance(tuning.extra.get(vllm_pd.KV_LEASE_DURATION), dict)
+                               else {})},
         **tuning.as_dict(),
         "files": list(FILES),
     }

@@ -162,7 +162,31 @@ class ModeEvidence:
         return evidence_dict(self)
 
 
-Evidence = ThresholdEvidence | TtlEvidence | ModeEvidence
+@dataclass(frozen=True)
+class LeaseEvidence:
+    """Why ``kv_lease_duration`` is what it is (``kvtune.recommend.prefill_lease``): the prefill's
+    holds of finished requests' blocks (``kvtune.analysis.prefill_lease``)."""
+
+    n_holds: int
+    n_read: int
+    n_expired: int
+    n_released: int
+    n_near_expiry: int
+    lease_s_in_force: float
+    quantile: float
+    headroom: float
+    read_delay_s_p50: float | None = field(default=None, metadata=OMIT_NONE)
+    read_delay_s_p99: float | None = field(default=None, metadata=OMIT_NONE)
+    read_delay_s_max: float | None = field(default=None, metadata=OMIT_NONE)
+    read_margin_s_min: float | None = field(default=None, metadata=OMIT_NONE)
+    read_renewals: int = 0
+    source: str = ""
+
+    def as_dict(self) -> dict[str, Any]:
+        return evidence_dict(self)
+
+
+Evidence = ThresholdEvidence | TtlEvidence | ModeEvidence | LeaseEvidence
 
 
 class JsonEvidence(Mapping):

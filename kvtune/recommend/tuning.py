@@ -15,16 +15,19 @@ from kvtune.analysis.hops import router_hops
 from kvtune.analysis.modes import measured_ttft, split_modes, traced_settings
 from kvtune.analysis.path import path_costs, without_reverse_wait
 from kvtune.analysis.prefill import PrefillCost, local_prefix_hits, prefill_cost
+from kvtune.analysis.prefill_lease import prefill_lease_holds
 from kvtune.analysis.transfers import transfers as transfers_table
 from kvtune.analysis.workload import Workload, workload as workload_of
 from kvtune.errors import AnalysisError, ConfigError
 from kvtune.recommend.findings import readiness, unnamed_time_finding, versions_in
 from kvtune.recommend.mode import TracedPath, recommend_mode
+from kvtune.recommend.prefill_lease import recommend_lease
 from kvtune.recommend.results import NEVER, Finding, Tuning
 from kvtune.recommend.retention import compare as compare_retention
 from kvtune.recommend.threshold import pickup_of, recommend_threshold
 from kvtune.recommend.ttl import recommend_ttl
 from kvtune.sim.retention import DEFAULT_BLOCK_TOKENS
+from kvtune.vllm_pd import KV_LEASE_DURATION
 
 logger = logging.getLogger(__name__)
 
@@ -299,6 +302,9 @@ def recommend(spans: pd.DataFrame, *, geometry: Any = None,
     retention, f = _retention(spans, ttl_s=float(ttl.value), mode=str(mode.value),
                               threshold_tokens=thr_tokens, block_tokens=block)
     findings += f
+    # vLLM's prefill lease (kv_lease_duration) from the prefills' holds: every mode's pulls
+    lease, f = recommend_lease(prefill_lease_holds(traced))
+    findings += f
     findings += readiness(tr, traced, fit=fit, workload=wl, fabric=fabric)
     unnamed = unnamed_time_finding(traced)  # where TTFT has no span's name (issue 33)
     findings += [unnamed] if unnamed is not None else []
@@ -320,6 +326,8 @@ def recommend(spans: pd.DataFrame, *, geometry: Any = None,
     }
     if sample is not None:
         extra["sample"] = sample.as_dict()
+    if lease is not None:  # recommendation.json: extra.kv_lease_duration, shaped like the others
+        extra[KV_LEASE_DURATION] = lease.as_dict()
     if traced.attrs.get("tempo_reads"):  # the source section: what each Tempo read got and missed
         extra["tempo_reads"] = [r.as_dict() for r in traced.attrs["tempo_reads"]]
     return Tuning(threshold=thr, ttl=ttl, mode=mode, findings=tuple(findings), fit=fit,

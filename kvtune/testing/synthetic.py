@@ -249,6 +249,9 @@ class SyntheticWorkload:
     """kv_recompute_threshold in force (bidirectional)."""
     prefix_hit_share: float = 0.0
     """Non-bidirectional modes: share of later turns whose history hits the prefill's prefix cache."""
+    prefill_lease_s: float | None = None
+    """Pull: vLLM's ``kv_lease_duration`` in force; set, each prefill ``kv.notify`` carries the
+    hold (``kv.prefill_lease.*``: prefill finished -> notified, read, no renewals). None: absent."""
 
 
 def serving_spans(workload: SyntheticWorkload = SyntheticWorkload(), *,
@@ -389,8 +392,15 @@ def serving_spans(workload: SyntheticWorkload = SyntheticWorkload(), *,
             add(sc.SpanName.RDMA.value, init_host, init_role, trace, r0, r1,
                 {**tattrs, sc.NIXL_OP: op.value, sc.NIXL_XFER_US: rdma * 1e3,
                  sc.NIXL_POST_US: 12.0, sc.NIXL_STATUS: "DONE"}, root_sid, "OK")
+            hold = {}
+            if w.prefill_lease_s is not None and not push:
+                held_s = (r1 + _ns(0.03) - p_end) / 1e9
+                hold = {sc.PREFILL_LEASE_S: float(w.prefill_lease_s),
+                        sc.PREFILL_LEASE_HELD_S: held_s, sc.PREFILL_LEASE_RENEWALS: 0,
+                        sc.PREFILL_LEASE_MARGIN_S: float(w.prefill_lease_s) - held_s,
+                        sc.PREFILL_LEASE_OUTCOME: sc.PrefillLeaseOutcome.READ.value}
             add(sc.SpanName.NOTIFY.value, targ_host, targ_role, trace, r1 + _ns(0.03),
-                r1 + _ns(0.04), tattrs, root_sid)
+                r1 + _ns(0.04), {**tattrs, **hold}, root_sid)
             ds1 = r1 + _ns(0.1) + _ns(float(rng.uniform(0.2, 2.0)))
             add(sc.SpanName.DECODE_START.value, d_host, sc.Role.DECODE, trace, r1 + _ns(0.1), ds1,
                 tattrs, root_sid)
