@@ -18,7 +18,8 @@ from grafana_foundation_sdk.cog.encoder import JSONEncoder
 from grafana_foundation_sdk.models import common
 from grafana_foundation_sdk.models import tempo as tempo_models
 from grafana_foundation_sdk.models.dashboard import (
-    DashboardCursorSync, DataSourceRef, VariableOption, VariableRefresh, VariableSort,
+    DashboardCursorSync, DataSourceRef, DynamicConfigValue, VariableOption, VariableRefresh,
+    VariableSort,
 )
 
 from kvtune import spans
@@ -148,6 +149,41 @@ def retention_outcomes_query() -> str:
             + f" | count_over_time() by ({span_attr(spans.RETENTION_OUTCOME)})")
 
 
+def retention_held_query() -> str:
+    """Seconds each retained history was held (``kv.retention``'s duration), summed per interval by
+    outcome. Not weighted by the history's size: Tempo's metrics functions (2.10, 3.0) take one
+    attribute, so ``duration x kv.tokens`` cannot be summed in TraceQL (see
+    :func:`retention_tokens_query`)."""
+    return (spanset(_name_is(SpanName.RETENTION), SERVICE_FILTER, CONVERSATION_FILTER)
+            + f" | sum_over_time(duration) by ({span_attr(spans.RETENTION_OUTCOME)})")
+
+
+def retention_tokens_query() -> str:
+    """Tokens of the retained histories (``kv.tokens`` of ``kv.retention``), summed per interval
+    by outcome: with :func:`retention_held_query`, how much KV the decode held and for how long."""
+    return (spanset(_name_is(SpanName.RETENTION), SERVICE_FILTER, CONVERSATION_FILTER)
+            + f" | sum_over_time({span_attr(spans.TOKENS)}) by ({span_attr(spans.RETENTION_OUTCOME)})")
+
+
+def retention_renewals_query() -> str:
+    """Retained histories per interval by how many times the router renewed their lease; histories
+    held under vLLM's fixed TTL carry no renewal count and group under ``nil``."""
+    return (spanset(_name_is(SpanName.RETENTION), SERVICE_FILTER, CONVERSATION_FILTER)
+            + f" | count_over_time() by ({span_attr(spans.RETENTION_RENEWALS)})")
+
+
+RETENTION_COLORS: Final[dict[spans.RetentionOutcome, str]] = {
+    spans.RetentionOutcome.REUSED: "green",
+    spans.RetentionOutcome.ENDED: "blue",
+    spans.RetentionOutcome.EXPIRED: "orange",
+    spans.RetentionOutcome.LAPSED: "red",
+    spans.RetentionOutcome.EVICTED: "purple",
+    spans.RetentionOutcome.RELEASED: "text",
+}
+"""Fixed series colours of the retention panels: a lapse (the lease ran out unrenewed: the router
+stopped renewing, or is gone) is red, whatever else the interval holds."""
+
+
 SLOWEST_SELECT: Final = (spans.TRANSFER_ID, spans.MODE, spans.DIRECTION, spans.BYTES, spans.DESCRIPTORS,
                          spans.NIXL_OP, spans.CONVERSATION_ID, spans.REQUEST_ID)
 
@@ -222,6 +258,16 @@ def _timeseries(ids: _Ids, title: str, description: str, query: str, *, unit: st
     if bars:
         panel = panel.stacking(common_builders.StackingConfig().mode(
             common.StackingMode.PERCENT if percent else common.StackingMode.NORMAL).group("A"))
+    return panel
+
+
+def _outcome_colors(panel: timeseries.Panel) -> timeseries.Panel:
+    """Fix each retention outcome's colour (series named by their label value, with or without
+    the label's name around it)."""
+    for outcome, color in RETENTION_COLORS.items():
+        panel = panel.override_by_regexp(
+            f'^(.*"{outcome.value}".*|{outcome.value})$',
+            [DynamicConfigValue(id_val="color", value={"mode": "fixed", "fixedColor": color})])
     return panel
 
 
@@ -324,10 +370,34 @@ def kv_transfer_dashboard() -> dict[str, Any]:
         ids, "Reuse decisions", f"`{SpanName.REUSE_DECISION.value}` by `{spans.REUSE_OUTCOME}`: "
                                 + ", ".join(o.value for o in spans.ReuseOutcome) + ".",
         reuse_decisions_query(), unit="short", w=12, bars=True))
-    d = d.with_panel(_timeseries(
+    d = d.with_panel(_outcome_colors(_timeseries(
         ids, "Retention outcomes", f"`{SpanName.RETENTION.value}` by `{spans.RETENTION_OUTCOME}`: "
-                                   + ", ".join(o.value for o in spans.RetentionOutcome) + ".",
-        retention_outcomes_query(), unit="short", w=12, bars=True))
+        + ", ".join(o.value for o in spans.RetentionOutcome) + ". With the renewable decode lease, "
+        f"`{spans.RetentionOutcome.ENDED.value}` is the router releasing a finished conversation's "
+        f"blocks and `{spans.RetentionOutcome.LAPSED.value}` (red) a lease that ran out unrenewed "
+        "(the router stopped renewing, or is gone).",
+        retention_outcomes_query(), unit="short", w=12, bars=True)))
+    d = d.with_panel(_outcome_colors(_timeseries(
+        ids, "Decode KV held: seconds by outcome",
+        f"Seconds the decode held retained histories: the duration of each `{SpanName.RETENTION.value}` "
+        "span (from the turn's end to its blocks' reuse or release), summed by the interval its hold "
+        f"began in, by `{spans.RETENTION_OUTCOME}`. History-seconds, not token- or block-seconds: "
+        "TraceQL metrics (Tempo 2.10, 3.0) sum one attribute and cannot multiply a span's duration "
+        f"by its `{spans.TOKENS}`; the panel beside it shows those tokens. Block-seconds per policy "
+        "are in `recommendation.json` (`retention`).",
+        retention_held_query(), unit="s", w=12, bars=True)))
+    d = d.with_panel(_outcome_colors(_timeseries(
+        ids, "Decode KV held: tokens by outcome",
+        f"`{spans.TOKENS}` of the retained histories (`{SpanName.RETENTION.value}`), summed by the "
+        f"interval their hold began in, by `{spans.RETENTION_OUTCOME}`: how much KV was kept, "
+        "beside how long (the panel before). Tokens lapsed or expired were held for nothing.",
+        retention_tokens_query(), unit="short", w=12, bars=True)))
+    d = d.with_panel(_timeseries(
+        ids, "Renewals per retained history",
+        f"Retained histories (`{SpanName.RETENTION.value}`) per interval by "
+        f"`{spans.RETENTION_RENEWALS}`: how many times the router renewed each one's decode lease "
+        "before its blocks went. `nil`: held under vLLM's fixed TTL (no renewable lease).",
+        retention_renewals_query(), unit="short", w=24, bars=True))
     d = d.with_row(_row(ids, "Transfers"))
     d = d.with_panel(
         table.Panel().id(ids()).title("Slowest transfers")
