@@ -92,6 +92,10 @@ class StandInState:
     """Answer a trace only to a window that also reaches this many seconds past its start (as
     Tempo 2.10.8 and 3.0.3 did for traces that reached them minutes after they started: a window
     must overlap the time the trace arrived)."""
+    refuse_from_s: int | None = None
+    """Answer HTTP 400 "start must be before end" to a ranged search starting at or after this
+    unix second, as Tempo 2.10.8 and 3.0.3 did to windows past their clock (their frontend clamps a
+    search's end to now)."""
     metrics_status: int = 200
     metrics_jobs: tuple[int, int] | None = None
     """(completed, total) jobs in every metrics answer (default: the recorded ones)."""
@@ -113,6 +117,9 @@ class StandInState:
         if "start" not in q or "end" not in q:
             return 200, json.dumps(self.rec.search_norange).encode()
         start, end = int(q["start"][0]), int(q["end"][0])
+        if self.refuse_from_s is not None and start >= self.refuse_from_s:
+            return 400, (f"http parameter start must be before end. received start={start} "
+                         f"end={self.refuse_from_s}").encode()
         if end - start > self.max_duration_s:
             msg = re.sub(r"exceeds \S+ received start=\d+ end=\d+",
                          f"exceeds {_go_duration(self.max_duration_s)}. received start={start} "
