@@ -14,11 +14,16 @@ gets the recorded ranged answer's traces whose start falls in the range (times m
 recording ends at the moment the stand-in starts), at most ``limit`` of them, most recent first;
 ranges longer than ``max_duration_s`` and limits above ``max_limit`` get the recorded 400 bodies,
 rewritten with the request's numbers. It records every request.
+
+The ``kv.rdma`` quantile and count queries per size (``kvtune.traces.tempo_rdma.rdma_queries``)
+are not recorded but computed from the recorded spans that start in the request's ``[start,
+end]`` (nanoseconds, moved as the traces), as Tempo computes them (:func:`tempo_log2_quantile`).
 """
 from __future__ import annotations
 
 import gzip
 import json
+import math
 import re
 import threading
 import time
@@ -87,6 +92,10 @@ class StandInState:
     """Answer a trace only to a window that also reaches this many seconds past its start (as
     Tempo 2.10.8 and 3.0.3 did for traces that reached them minutes after they started: a window
     must overlap the time the trace arrived)."""
+    refuse_from_s: int | None = None
+    """Answer HTTP 400 "start must be before end" to a ranged search starting at or after this
+    unix second, as Tempo 2.10.8 and 3.0.3 did to windows past their clock (their frontend clamps a
+    search's end to now)."""
     metrics_status: int = 200
     metrics_jobs: tuple[int, int] | None = None
     """(completed, total) jobs in every metrics answer (default: the recorded ones)."""
@@ -108,6 +117,9 @@ class StandInState:
         if "start" not in q or "end" not in q:
             return 200, json.dumps(self.rec.search_norange).encode()
         start, end = int(q["start"][0]), int(q["end"][0])
+        if self.refuse_from_s is not None and start >= self.refuse_from_s:
+            return 400, (f"http parameter start must be before end. received start={start} "
+                         f"end={self.refuse_from_s}").encode()
         if end - start > self.max_duration_s:
             msg = re.sub(r"exceeds \S+ received start=\d+ end=\d+",
                          f"exceeds {_go_duration(self.max_duration_s)}. received start={start} "
@@ -125,6 +137,83 @@ class StandInState:
         doc = {"traces": hits[:limit], "metrics": self.rec.search_range.get("metrics", {})
                if self.search_metrics is None else self.search_metrics}
         return self.search_status, json.dumps(doc).encode()
+
+
+def tempo_log2_bucket(ns: int) -> float:
+    """Tempo's ``Log2Bucketize``: the power of two at or above ``ns`` (-1 below 2)."""
+    return -1.0 if ns < 2 else float(1 << (ns - 1).bit_length())
+
+
+def tempo_log2_quantile(p: float, durations_ns: list[int]) -> float:
+    """Tempo's ``Log2Quantile`` (2.10.8 and 3.0.3, ``pkg/traceql/engine_metrics.go``) over the
+    durations' power-of-two buckets, in nanoseconds: the bucket holding the ``ceil(p*n)``-th
+    duration, interpolated exponentially from the top of the non-empty bucket below it."""
+    buckets: dict[float, int] = {}
+    for d in durations_ns:
+        b = tempo_log2_bucket(d)
+        buckets[b] = buckets.get(b, 0) + 1
+    tops = sorted(buckets)
+    n = sum(buckets.values())
+    want = max(math.ceil(p * n), 1)
+    total, i = 0, 0
+    for i, top in enumerate(tops):
+        if total + buckets[top] > want:
+            break
+        total += buckets[top]
+        if total == want:
+            return top
+    hi = math.log2(tops[i])
+    lo = math.log2(tops[i - 1]) if i > 0 else hi - 1
+    return 2 ** (lo + (hi - lo) * (want - total) / buckets[tops[i]])
+
+
+def rdma_spans(rec: Recording) -> list[dict]:
+    """Every recorded ``kv.rdma`` span (OTLP JSON, times as recorded)."""
+    out = []
+    for body in rec.traces.values():
+        for rs in json.loads(body)["trace"].get("resourceSpans", []):
+            for ss in rs.get("scopeSpans", []):
+                out += [sp for sp in ss.get("spans", []) if sp["name"] == "kv.rdma"]
+    return out
+
+
+def _attr(span: dict, key: str) -> str:
+    for kv in span.get("attributes", []):
+        if kv["key"] == key:
+            return str(next(iter(kv["value"].values())))
+    return "nil"
+
+
+def _computed_rdma_answer(state: StandInState, query: str, q: dict[str, list[str]]
+                          ) -> dict[str, Any] | None:
+    """Tempo's instant answer to one of the ``kv.rdma`` per-size queries, or None."""
+    from kvtune.traces.tempo_rdma import QUANTILES, SIZE_ATTR, rdma_queries
+
+    kind = {v: k for k, v in rdma_queries().items()}.get(query)
+    if kind is None:
+        return None
+    start, end = int(q["start"][0]), int(q["end"][0])
+    groups: dict[tuple[str, str, str], list[int]] = {}
+    for sp in rdma_spans(state.rec):
+        t0 = int(sp["startTimeUnixNano"]) + state.shift_ns
+        if start <= t0 <= end:
+            key = (_attr(sp, "kv.mode"), _attr(sp, "kv.direction"), _attr(sp, SIZE_ATTR))
+            groups.setdefault(key, []).append(int(sp["endTimeUnixNano"])
+                                              - int(sp["startTimeUnixNano"]))
+
+    def labels(key: tuple[str, str, str]) -> list[dict]:
+        names = ("span.kv.mode", "span.kv.direction", f"span.{SIZE_ATTR}")
+        return [{"key": k, "value": {"stringValue": v} if not v.isdigit()
+                 else {"intValue": v}} for k, v in zip(names, key)]
+
+    series = []
+    for key, durs in sorted(groups.items()):
+        if kind == "counts":
+            series.append({"labels": labels(key), "value": float(len(durs))})
+        else:
+            series += [{"labels": labels(key) + [{"key": "p", "value": {"doubleValue": p}}],
+                        "value": tempo_log2_quantile(p, durs) / 1e9} for p in QUANTILES]
+    return {"series": series, "metrics": {"completedJobs": 1, "totalJobs": 1}}
 
 
 def _go_duration(seconds: int) -> str:
@@ -152,7 +241,11 @@ class _Handler(BaseHTTPRequestHandler):
                                    "message": st.partial_trace_message}).encode()
             return self._send(st.trace_status, body)
         recorded = {"/api/metrics/query_range": st.rec.metrics,
-                    "/api/metrics/query": st.rec.metrics_instant}.get(parts.path, {})
+                    "/api/metrics/query": dict(st.rec.metrics_instant)}.get(parts.path, {})
+        if parts.path == "/api/metrics/query" and "start" in q and "end" in q:
+            computed = _computed_rdma_answer(st, q.get("q", [""])[0], q)
+            if computed is not None:
+                recorded[q["q"][0]] = computed
         if q.get("q", [""])[0] in recorded:
             if st.metrics_status != 200:
                 return self._send(st.metrics_status, b"metrics unavailable (stand-in)")

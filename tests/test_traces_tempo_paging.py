@@ -273,10 +273,31 @@ def test_a_page_reads_its_traces_that_reached_tempo_after_it(rec):
     2.10.8 and 3.0.3): one-minute pages without the lookahead miss the traces of the recording,
     with it (the default, 5 min) they read every one."""
     # traces overlap the ten minutes after they start (Tempo matches a window by overlap)
-    with serve(rec, arrival_delay_s=120, match_before_s=600) as (host, state):
+    # (30 s: every trace has arrived by now; one still on its way cannot be read)
+    with serve(rec, arrival_delay_s=30, match_before_s=600) as (host, state):
         start, end = fixed_range(state)
         base = f"tempo+http://{host}?{Q}&start={start}&end={end}&page=1m"
         without = traces.load(f"{base}&lookahead=0", correct_clocks=False)
         default = traces.load(base, correct_clocks=False)
     assert without["trace_id"].nunique() < rec.meta["traces"]
     assert default["trace_id"].nunique() == rec.meta["traces"] and len(default) == rec.meta["spans"]
+
+
+def test_a_range_past_now_reads_every_trace_and_no_window_past_tempos_clock(rec):
+    """A range (and its pages' lookahead) that reaches into the future: no window starts past
+    now, and one Tempo refuses for starting past its clock (about a minute behind ours here) reads
+    as empty, not as an error (real Tempo 2.10.8 and 3.0.3 answered HTTP 400 "start must be
+    before end")."""
+    with serve(rec) as (host, state):
+        newest = max(int(t["startTimeUnixNano"]) for t in rec.search_range["traces"])
+        behind = (newest + state.shift_ns) // 10**9 + 1  # Tempo's clock: after the last trace
+        state.refuse_from_s = behind
+        start, _ = fixed_range(state)
+        end = int(time.time()) + 900
+        df = traces.load(f"tempo+http://{host}?{Q}&start={start}&end={end}&page=1m",
+                         correct_clocks=False)
+        starts = [int(q["start"][0]) for path, q in state.requests
+                  if path == "/api/search" and "start" in q]
+    assert df["trace_id"].nunique() == rec.meta["traces"] and len(df) == rec.meta["spans"]
+    assert max(starts) <= int(time.time()) + 1  # nothing asked of the future
+    assert any(s >= behind for s in starts)  # one window was refused, and read as empty

@@ -22,6 +22,7 @@ from kvtune.recommend.tuning import recommend
 from kvtune.traces.reduce import load_sample
 from kvtune.traces.tempo import _iso
 from kvtune.traces.tempo_metrics import fleet_metrics, fleet_queries
+from kvtune.traces.tempo_rdma import rdma_queries
 
 Q = "q=%7B%7D"
 
@@ -150,8 +151,8 @@ def test_fleet_metrics_are_tempos_counts_of_the_spans(rec):
         (read,) = df.attrs["tempo_reads"]
         asked = [q for p, q in state.requests if p == "/api/metrics/query"]
     fleet = read.fleet
-    assert fleet is not None and fleet.complete and fleet.requests == 3 == len(asked)
-    assert {q["q"][0] for q in asked} == set(fleet_queries().values())
+    assert fleet is not None and fleet.complete and fleet.requests == 5 == len(asked)
+    assert {q["q"][0] for q in asked} == {*fleet_queries().values(), *rdma_queries().values()}
     assert all(int(q["end"][0]) - int(q["start"][0]) < 3 * 3600 * 10**9 for q in asked)
     reuse = df[df["name"] == sc.SpanName.REUSE_DECISION.value]
     assert fleet.reuse_outcomes == reuse[sc.REUSE_OUTCOME].value_counts().to_dict()
@@ -160,6 +161,9 @@ def test_fleet_metrics_are_tempos_counts_of_the_spans(rec):
     rdma = df[df["name"] == sc.SpanName.RDMA.value]
     ours = rdma.groupby([sc.MODE, sc.DIRECTION])[sc.BYTES].sum()
     assert fleet.rdma_bytes == {f"{m}/{d}": int(v) for (m, d), v in ours.items()}
+    per_size = rdma.groupby([sc.MODE, sc.DIRECTION, sc.BYTES]).size()
+    assert {(r.mode, r.direction, r.bytes): r.count for r in fleet.rdma.rows} == {
+        (m, d, int(b)): int(n) for (m, d, b), n in per_size.items()}
     assert "reuse decisions" in read.findings()[1]["message"]
 
 

@@ -45,6 +45,8 @@ RECORD_ENV = "KVTUNE_TEMPO_RECORD"
 EXAMPLES = sorted((ROOT / "examples" / "stalls").glob("*-default/spans"))
 READY_TIMEOUT_S = 180.0
 INGEST_TIMEOUT_S = 120.0
+RDMA_SETTLE_S = 45.0
+"""How long the kv.rdma per-size counts are asked again while short of the spans sent."""
 
 BINARIES = [b for b in os.environ.get(TEMPO_ENV, "").split(os.pathsep) if b]
 CONFIGS = {2: ROOT / "dashboards" / "tempo.yaml", 3: ROOT / "dashboards" / "tempo-3.yaml"}
@@ -379,8 +381,9 @@ def test_a_paged_read_with_a_cursor_and_the_fleet_metrics(real_tempo, tmp_path):
         warned = {f["code"]: f["message"] for f in read.findings() if f["severity"] == "warning"}
         assert "more reuse decisions than Tempo's metrics counted" in warned.get(
             "tempo_fleet_metrics_partial", ""), (read.fleet.reuse_outcomes, held)
-    else:
-        assert read.fleet.complete, read.findings()
+    else:  # whole, but for kv.rdma spans of those traces, which the read names (never silently)
+        assert all(m.startswith("rdma: the traces read hold more kv.rdma spans")
+                   for m in read.fleet.missing), read.findings()
     assert again.attrs["tempo_reads"][0].pages_resumed == 60
     # a range cut through the spans: the totals are of the spans that start in it, no more
     reuse_ns = sorted(int(sp["startTimeUnixNano"]) for d in docs for sp in _spans_of(d)
@@ -395,6 +398,55 @@ def test_a_paged_read_with_a_cursor_and_the_fleet_metrics(real_tempo, tmp_path):
         # (kvtune.traces.tempo_metrics); it must never count spans outside the range
         assert half.complete and got <= truth, (lo, hi, got, truth)
     assert sum(sum(h.reuse_outcomes.values()) for h in halves) >= len(reuse_ns) - 3
+
+
+def test_rdma_quantiles_per_size_are_tempos_and_fit_the_fabric(real_tempo):
+    """On the real server: the ``kv.rdma`` quantile and count queries per size are accepted, each
+    size's count is that of the spans sent (never more; on 3.0.3 sometimes fewer, asked again a
+    while), and where it is whole its p50 and p90 are
+    Tempo's power-of-two quantile of those spans' durations (``tests/tempo_standin.py``
+    computes them so); the fit from the medians is labelled with its source."""
+    from tempo_standin import tempo_log2_quantile
+
+    from kvtune.traces.tempo_rdma import FIT_SOURCE, QUANTILES, SIZE_ATTR, rdma_quantiles
+
+    tempo, docs, _ = real_tempo
+    newest = max(int(sp["endTimeUnixNano"]) for d in docs for sp in _spans_of(d)) // 10**9
+    start, end = (newest // 60 - 59) * 60, (newest // 60 + 1) * 60
+    src = traces.TempoSource(f"http://127.0.0.1:{tempo.ports['http']}")
+    sent: dict[tuple[str, str, int], list[int]] = {}
+    for d in docs:
+        for sp in _spans_of(d):
+            t0 = int(sp["startTimeUnixNano"])
+            if sp["name"] == sc.SpanName.RDMA.value and start * 10**9 <= t0 < end * 10**9:
+                a = {kv["key"]: next(iter(kv["value"].values())) for kv in sp["attributes"]}
+                sent.setdefault((a[sc.MODE], a[sc.DIRECTION], int(a[SIZE_ATTR])), []).append(
+                    int(sp["endTimeUnixNano"]) - t0)
+    # Tempo 3's live-store counts spans some seconds after search finds them: ask again a while
+    deadline = time.monotonic() + RDMA_SETTLE_S
+    while True:
+        got = rdma_quantiles(src, start, end)
+        short = [r for r in got.rows if r.count < len(sent[(r.mode, r.direction, r.bytes)])]
+        if not short or time.monotonic() > deadline:
+            break
+        time.sleep(5)
+    print(f"\nTempo {tempo.version()}: {len(short)} of {len(got.rows)} series short "
+          f"{[(r.mode, r.direction, r.bytes, r.count) for r in short]}\n{got.summary()}")
+    assert not got.missing and not got.refused and got.rows, got
+    for r in got.rows:
+        durs = sent[(r.mode, r.direction, r.bytes)]
+        assert 0 < r.count <= len(durs), (r, len(durs))
+        if r.count == len(durs):  # whole: exactly Tempo's power-of-two quantiles of the spans
+            want = [tempo_log2_quantile(p, durs) / 1e6 for p in QUANTILES]
+            assert [r.p50_ms, r.p90_ms] == pytest.approx(want, rel=1e-9), (r, want)
+    # 2.10.8 counts every span; 3.0.3 has left spans out (of the late traces, and in some runs
+    # others: the same runs' panels missed a series), never counting one more than was sent
+    keys = {(r.mode, r.direction, r.bytes) for r in got.rows}
+    if tempo.version().startswith("2."):
+        assert not short and keys == set(sent), (short, keys ^ set(sent))
+    else:
+        assert len(short) <= len(got.rows) // 2 and len(keys) >= len(sent) // 2, short
+    assert got.fits and all(f.source == FIT_SOURCE for f in got.fits.values()), got.summary()
 
 
 def test_a_failed_page_resumes_from_the_cursor_or_is_skipped_with_a_warning(real_tempo, tmp_path,

@@ -386,3 +386,50 @@ def fit_floor(transfers: pd.DataFrame, *, column: str = "critical_ms", n_boot: i
     return fit_floor_points(t["bytes"].to_numpy(dtype=float), desc,
                             t[column].to_numpy(dtype=float), n_boot=n_boot, seed=seed,
                             source=source, column=column)
+
+
+def fit_floor_medians(bytes: Sequence[float] | np.ndarray,  # shadows bytes(): named for its unit
+                      ms: Sequence[float] | np.ndarray, counts: Sequence[float] | np.ndarray, *,
+                      source: str = "", column: str = "rdma_ms") -> FloorFit:
+    """Fit ``ms ~ floor + bytes/bandwidth`` to one median time per size (e.g. Tempo's
+    ``quantile_over_time`` p50 by ``kv.bytes``), each weighted by its transfer count.
+
+    Least squares on relative residuals, as :func:`fit_floor_points` (a median of ``n`` transfers
+    has a variance about ``ms**2 / n`` under relative noise: weight ``n / ms**2``), with the floor
+    held >= 0; no robust reweighting (a median is already robust) and no bootstrap (there are no
+    samples to resample): the intervals are the point (``n_outliers`` 0). Raises
+    :class:`AnalysisError` below :data:`MIN_SIZES` sizes or :data:`MIN_POINTS` transfers, or when
+    the time does not grow with bytes."""
+    b = np.asarray(bytes, dtype=float)
+    y = np.asarray(ms, dtype=float)
+    n = np.asarray(counts, dtype=float)
+    if not (b.shape == y.shape == n.shape) or b.ndim != 1:
+        raise AnalysisError(f"fit_floor_medians: bytes, ms and counts must be 1-D of one length, "
+                            f"got shapes {b.shape}, {y.shape}, {n.shape}")
+    keep = np.isfinite(b) & np.isfinite(y) & np.isfinite(n) & (n > 0) & (y > 0) & (b >= 0)
+    b, y, n = b[keep], y[keep], n[keep]
+    if len(np.unique(b)) < MIN_SIZES or n.sum() < MIN_POINTS:
+        have = ", ".join(f"{int(s)} B x{int(c)}" for s, c in zip(b, n)) or "none"
+        raise AnalysisError(f"cannot fit floor and bandwidth from medians: {int(n.sum())} "
+                            f"transfer(s) at {len(np.unique(b))} distinct size(s) [{have[:400]}]; "
+                            f"need >= {MIN_SIZES} distinct sizes and >= {MIN_POINTS} transfers")
+    x = _design(b, b, with_desc=False)
+    sw = np.sqrt(n) / y
+    beta, *_ = np.linalg.lstsq(x * sw[:, None], y * sw, rcond=None)
+    if beta[0] < 0:  # a cost cannot be negative: through the origin
+        slope, *_ = np.linalg.lstsq(x[:, 1:] * sw[:, None], y * sw, rcond=None)
+        beta = np.array([0.0, float(slope[0])])
+    floor, ms_per_byte, _ = _params(beta, with_desc=False)
+    if ms_per_byte <= 0:
+        raise AnalysisError(f"fit_floor_medians: {column} does not grow with bytes (slope "
+                            f"{ms_per_byte:.3g} ms/B over sizes {int(b.min())} .. {int(b.max())} B)")
+    fitted = x @ beta
+    wr = n / y ** 2
+    ybar = float(np.sum(wr * y) / np.sum(wr))
+    ss_tot = float(np.sum(wr * (y - ybar) ** 2))
+    r2 = 1.0 - float(np.sum(wr * (y - fitted) ** 2)) / ss_tot if ss_tot > 0 else 0.0
+    bw = _gbps(ms_per_byte)
+    return FloorFit(floor_ms=floor, bandwidth_gbps=bw, per_descriptor_us=None,
+                    floor_ci_ms=(floor, floor), bandwidth_ci_gbps=(bw, bw),
+                    per_descriptor_ci_us=None, r2=r2, n_transfers=int(n.sum()),
+                    n_sizes=int(len(np.unique(b))), source=source, n_outliers=0, column=column)

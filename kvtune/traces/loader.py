@@ -455,7 +455,8 @@ class _Reader:
 
             fleet = fleet_metrics(src, start, end)
             if not flushed:  # the read's rows are all here: compare what Tempo counted
-                fleet = short_of_read(fleet, _reuse_outcomes(self.rows, first_row, start, end))
+                fleet = short_of_read(fleet, _reuse_outcomes(self.rows, first_row, start, end),
+                                      _rdma_counts(self.rows, first_row, start, end))
         read = TempoRead(search, traces_fetched=fetched,
                          spans_read=flushed + len(self.rows) - (0 if flushed else first_row),
                          one_sided_transfers=one_sided_transfers(self.rows, 0 if flushed
@@ -536,6 +537,26 @@ def _reuse_outcomes(rows: SpanRows, first_row: int, start_s: int, end_s: int) ->
         if (row >= first_row and rows.name[row] == sc.SpanName.REUSE_DECISION.value
                 and start_s * 10**9 <= rows.start[row] < end_s * 10**9):
             out[str(outcome)] = out.get(str(outcome), 0) + 1
+    return out
+
+
+def _rdma_counts(rows: SpanRows, first_row: int, start_s: int, end_s: int
+                 ) -> dict[tuple[str, str, int], int]:
+    """``kv.rdma`` spans per ``(kv.mode, kv.direction, kv.bytes)`` among ``rows`` (from
+    ``first_row``) that start in ``start_s .. end_s`` (spans lacking one of them left out)."""
+    from kvtune import spans as sc
+
+    mode, direction, size = ({r: v for r, v in zip(*rows.conv.get(a, ((), []))) if r >= first_row}
+                             for a in (sc.MODE, sc.DIRECTION, sc.BYTES))
+    out: dict[tuple[str, str, int], int] = {}
+    for row, b in size.items():
+        if (rows.name[row] == sc.SpanName.RDMA.value and row in mode and row in direction
+                and start_s * 10**9 <= rows.start[row] < end_s * 10**9):
+            try:
+                key = (str(mode[row]), str(direction[row]), int(b))
+            except (TypeError, ValueError):
+                continue
+            out[key] = out.get(key, 0) + 1
     return out
 
 

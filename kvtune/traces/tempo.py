@@ -91,6 +91,11 @@ MAX_UNIX_S = 2**63 // 10**9
 _FLAGS = {"1": True, "true": True, "yes": True, "0": False, "false": False, "no": False, "": False}
 _DURATION_UNITS_S = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
 _DURATION_RE = re.compile(r"(\d+(?:\.\d+)?)([smhdw])")
+_START_NOT_BEFORE_END = re.compile(r"start must be before end")
+"""Tempo's answer to a search window it clamped to its clock (a window starting past its now)."""
+CLOCK_SKEW_S = 120
+"""A window refused so starting up to this long before our clock counts as past Tempo's clock
+(nothing there yet), not as an error."""
 _RANGE_TOO_LONG = re.compile(r"range specified by start and end exceeds "
                              r"((?:\d+(?:\.\d+)?(?:h|ms|m|s|us|ns))+)")
 _LIMIT_TOO_HIGH = re.compile(r"limit \d+ exceeds max limit (\d+)")
@@ -528,8 +533,12 @@ class PageSearcher:
         kept)."""
         src = self.source
         where = f"{src.base_url}/api/search"
-        ahead = hi + src.lookahead_s
-        pending = ([(s, min(s + self.max_window, hi)) for s in range(lo, hi, self.max_window)]
+        # Nothing has reached Tempo after now: windows stop there (Tempo refuses a window that
+        # starts past its clock, its frontend clamping the end to now).
+        now = math.ceil(time.time()) + 1  # as a relative range's end (Tempo's end is exclusive)
+        top = max(lo, min(hi, now))
+        ahead = max(hi, min(hi + src.lookahead_s, now))
+        pending = ([(s, min(s + self.max_window, top)) for s in range(lo, top, self.max_window)]
                    + [(s, min(s + self.max_window, ahead))
                       for s in range(hi, ahead, self.max_window)])[::-1]
         found: dict[str, None] = {}
@@ -548,6 +557,12 @@ class PageSearcher:
             self.requests += 1
             if status == 400:
                 text = body[:2000].decode("utf-8", "replace")
+                if _START_NOT_BEFORE_END.search(text) and wlo >= now - CLOCK_SKEW_S:
+                    # Tempo's clock is behind ours: nothing there yet
+                    _logger.info("%s: %s .. %s is past the server's clock; nothing to read there",
+                                 where, _iso(wlo), _iso(whi))
+                    windows += 1
+                    continue
                 too_long = _RANGE_TOO_LONG.search(text)
                 too_many = _LIMIT_TOO_HIGH.search(text)
                 if too_many and 1 <= int(too_many.group(1)) < self.limit:

@@ -36,10 +36,13 @@ import json
 import math
 import urllib.parse
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvtune.errors import TraceSourceError
 from kvtune.traces.tempo import HTTP_PARTIAL, TempoSource, _as_int, _iso, first_notes
+
+if TYPE_CHECKING:
+    from kvtune.traces.tempo_rdma import RdmaQuantiles
 
 METRICS_WINDOW_S = 3 * 3600
 """Longest range asked in one metrics request: Tempo's default
@@ -167,6 +170,8 @@ class FleetMetrics:
     requests: int
     missing: tuple[str, ...] = ()
     """``query: why`` for each piece answered in part or not at all."""
+    rdma: RdmaQuantiles | None = None
+    """``kv.rdma`` time quantiles per size and the fabric fit from them, or None."""
 
     @property
     def complete(self) -> bool:
@@ -176,7 +181,8 @@ class FleetMetrics:
         return (f"Tempo metrics over {_iso(self.start_s)} .. {_iso(self.end_s)} (every span in the "
                 f"range, not only the traces read): reuse decisions {self.reuse_outcomes or '{}'}, "
                 f"retention outcomes {self.retention_outcomes or '{}'}, kv.rdma bytes by "
-                f"mode/direction {self.rdma_bytes or '{}'}")
+                f"mode/direction {self.rdma_bytes or '{}'}"
+                + ("" if self.rdma is None else "\n" + self.rdma.summary()))
 
     def findings(self) -> list[dict[str, Any]]:
         evidence = self.as_dict()
@@ -187,6 +193,10 @@ class FleetMetrics:
                         "message": f"Tempo's metrics over the range are incomplete, the fleet "
                                    f"totals above are short: {first_notes(self.missing, 5)}",
                         "evidence": evidence})
+        if self.rdma is not None and self.rdma.refused:
+            out.append({"code": "tempo_rdma_quantiles_not_asked", "severity": "info",
+                        "message": f"kv.rdma quantiles per size: {self.rdma.refused}",
+                        "evidence": {"refused": self.rdma.refused}})
         return out
 
     def as_dict(self) -> dict[str, Any]:
@@ -194,22 +204,37 @@ class FleetMetrics:
                 "reuse_outcomes": dict(self.reuse_outcomes),
                 "retention_outcomes": dict(self.retention_outcomes),
                 "rdma_bytes": dict(self.rdma_bytes), "requests": self.requests,
-                "missing": list(self.missing)}
+                "missing": list(self.missing),
+                "rdma_quantiles": None if self.rdma is None else self.rdma.as_dict()}
 
 
-def short_of_read(fleet: FleetMetrics, read_outcomes: dict[str, int]) -> FleetMetrics:
+def short_of_read(fleet: FleetMetrics, read_outcomes: dict[str, int],
+                  read_rdma: dict[tuple[str, str, int], int] | None = None) -> FleetMetrics:
     """``fleet`` with a note in ``missing`` when the traces a read fetched hold more reuse
-    decisions of an outcome (``read_outcomes``, of the spans that start in the range) than Tempo's
-    metrics counted: Tempo's metrics left spans out (a long or late trace; the module doc) and
-    no answer of Tempo's said so."""
+    decisions of an outcome (``read_outcomes``, of the spans that start in the range), or more
+    ``kv.rdma`` spans of a ``(mode, direction, bytes)`` (``read_rdma``), than Tempo's metrics
+    counted: Tempo's metrics left spans out (a long or late trace; the module doc) and no answer
+    of Tempo's said so."""
+    notes = []
     short = {k: (n, fleet.reuse_outcomes.get(k, 0)) for k, n in sorted(read_outcomes.items())
              if n > fleet.reuse_outcomes.get(k, 0)}
-    if not short:
+    if short:
+        notes.append("reuse: the traces read hold more reuse decisions than Tempo's metrics "
+                     "counted (" + ", ".join(f"{k}: {n} read, {m} counted"
+                                              for k, (n, m) in short.items())
+                     + "): Tempo's metrics left out spans of traces it dated by their arrival")
+    if read_rdma and fleet.rdma is not None and not fleet.rdma.refused:
+        counted = {(r.mode, r.direction, r.bytes): r.count for r in fleet.rdma.rows}
+        rdma_short = {k: (n, counted.get(k, 0)) for k, n in sorted(read_rdma.items())
+                      if n > counted.get(k, 0)}
+        if rdma_short:
+            notes.append("rdma: the traces read hold more kv.rdma spans than Tempo's metrics "
+                         "counted, so those sizes' quantiles leave them out (" + ", ".join(
+                             f"{m}/{d} {b} B: {n} read, {c} counted"
+                             for (m, d, b), (n, c) in rdma_short.items()) + ")")
+    if not notes:
         return fleet
-    note = ("reuse: the traces read hold more reuse decisions than Tempo's metrics counted ("
-            + ", ".join(f"{k}: {n} read, {m} counted" for k, (n, m) in short.items())
-            + "): Tempo's metrics left out spans of traces it dated by their arrival")
-    return replace(fleet, missing=(*fleet.missing, note))
+    return replace(fleet, missing=(*fleet.missing, *notes))
 
 
 def fleet_queries() -> dict[str, str]:
@@ -229,8 +254,10 @@ def fleet_queries() -> dict[str, str]:
 def fleet_metrics(source: TempoSource, start_s: int, end_s: int) -> FleetMetrics:
     """Reuse outcomes, retention outcomes and ``kv.rdma`` bytes of the spans that start in
     ``start_s .. end_s`` from Tempo's metrics API (one request per :data:`METRICS_WINDOW_S` per
-    query)."""
+    query), and ``kv.rdma`` time quantiles per size with the fabric fit from them
+    (``kvtune.traces.tempo_rdma``)."""
     from kvtune import spans as sc
+    from kvtune.traces.tempo_rdma import rdma_quantiles
 
     answers = {k: query_total(source, q, start_s, end_s) for k, q in fleet_queries().items()}
     rdma: dict[str, int] = {}
@@ -238,7 +265,8 @@ def fleet_metrics(source: TempoSource, start_s: int, end_s: int) -> FleetMetrics
         labels = dict(s.labels)
         key = f"{labels.get(f'span.{sc.MODE}', 'nil')}/{labels.get(f'span.{sc.DIRECTION}', 'nil')}"
         rdma[key] = rdma.get(key, 0) + round(s.total)
-    missing = tuple(f"{k}: {m}" for k, a in answers.items() for m in a.missing)
+    rdma_q = rdma_quantiles(source, start_s, end_s)
+    missing = tuple(f"{k}: {m}" for k, a in answers.items() for m in a.missing) + rdma_q.missing
     return FleetMetrics(
         start_s, end_s,
         reuse_outcomes={k: round(v) for k, v in sorted(answers["reuse"].by(
@@ -246,7 +274,8 @@ def fleet_metrics(source: TempoSource, start_s: int, end_s: int) -> FleetMetrics
         retention_outcomes={k: round(v) for k, v in sorted(answers["retention"].by(
             f"span.{sc.RETENTION_OUTCOME}").items())},
         rdma_bytes=dict(sorted(rdma.items())),
-        requests=sum(a.requests for a in answers.values()), missing=missing)
+        requests=sum(a.requests for a in answers.values()) + rdma_q.requests, missing=missing,
+        rdma=rdma_q)
 
 
 def fleet_summary(source: str | TempoSource, *, now_s: float | None = None) -> FleetMetrics:
